@@ -1,0 +1,208 @@
+"""ModelConfig: the shapes the engine needs, read from a checkpoint's config.json.
+
+One frozen dataclass serves every model a4 runs. All-attention models (Qwen3) leave the Gated DeltaNet and MoE
+fields at their defaults; hybrid models (Qwen3.5) fill them. Which parser reads a file is decided by its
+`architectures` entry, through `CONFIG_PARSERS`; Qwen3.5's parser is the exercise of notebook 01.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Callable
+
+FULL_ATTENTION = "full_attention"
+LINEAR_ATTENTION = "linear_attention"
+LAYER_TYPES = (FULL_ATTENTION, LINEAR_ATTENTION)
+
+
+class ConfigError(ValueError):
+    """A config.json that a4 cannot run: a missing field, an unknown layer type, an unknown architecture."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    # Dims of each attention head that RoPE rotates: head_dim for Qwen3, head_dim * partial_rotary_factor for Qwen3.5.
+    rotary_dim: int
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    eos_token_ids: tuple[int, ...]
+    # One entry per layer, each "full_attention" or "linear_attention" (Gated DeltaNet).
+    layer_types: tuple[str, ...]
+    # Gated DeltaNet shapes; zero for all-attention models.
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel_dim: int = 0
+    # Mixture of experts; zero for dense models.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+
+    def __post_init__(self) -> None:
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ConfigError(
+                f"layer_types has {len(self.layer_types)} entries but num_hidden_layers is {self.num_hidden_layers}"
+            )
+        for i, kind in enumerate(self.layer_types):
+            if kind not in LAYER_TYPES:
+                raise ConfigError(f"layer {i}: unknown layer type {kind!r} (expected one of {LAYER_TYPES})")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError(
+                f"num_attention_heads ({self.num_attention_heads}) is not a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+        if self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim:
+            raise ConfigError(f"rotary_dim {self.rotary_dim} must be even and in (0, head_dim={self.head_dim}]")
+
+    @property
+    def full_attention_layers(self) -> tuple[int, ...]:
+        """Model layer indices of the full-attention layers: the only layers that keep a KV cache."""
+        return tuple(i for i, kind in enumerate(self.layer_types) if kind == FULL_ATTENTION)
+
+    @property
+    def linear_attention_layers(self) -> tuple[int, ...]:
+        """Model layer indices of the Gated DeltaNet layers: the layers that keep a conv and a recurrent state."""
+        return tuple(i for i, kind in enumerate(self.layer_types) if kind == LINEAR_ATTENTION)
+
+    @property
+    def is_hybrid(self) -> bool:
+        return bool(self.linear_attention_layers)
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    @property
+    def linear_key_dim(self) -> int:
+        return self.linear_num_key_heads * self.linear_key_head_dim
+
+    @property
+    def linear_value_dim(self) -> int:
+        return self.linear_num_value_heads * self.linear_value_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the GDN causal conv: q, k and v projections side by side."""
+        return 2 * self.linear_key_dim + self.linear_value_dim
+
+
+def require(cfg: dict[str, Any], key: str, where: str = "config.json") -> Any:
+    """cfg[key], or a ConfigError naming the missing field and the file section it was looked for in."""
+    if key not in cfg:
+        raise ConfigError(f"{where}: missing required field {key!r}")
+    return cfg[key]
+
+
+def rope_theta_of(cfg: dict[str, Any], where: str) -> float:
+    """rope_theta from `rope_parameters` (transformers 5 files) or the older top-level field."""
+    params = cfg.get("rope_parameters") or {}
+    if "rope_theta" in params:
+        return float(params["rope_theta"])
+    return float(require(cfg, "rope_theta", where))
+
+
+def eos_ids(value: int | list[int] | None) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    return tuple(value) if isinstance(value, list) else (int(value),)
+
+
+def parse_qwen3_config(raw: dict[str, Any]) -> ModelConfig:
+    """Qwen3ForCausalLM: a flat config.json, every layer full attention, RoPE over the whole head."""
+    where = "config.json"
+    num_layers = int(require(raw, "num_hidden_layers", where))
+    num_heads = int(require(raw, "num_attention_heads", where))
+    hidden = int(require(raw, "hidden_size", where))
+    head_dim = int(raw.get("head_dim") or hidden // num_heads)
+    return ModelConfig(
+        architecture="Qwen3ForCausalLM",
+        vocab_size=int(require(raw, "vocab_size", where)),
+        hidden_size=hidden,
+        intermediate_size=int(require(raw, "intermediate_size", where)),
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=int(raw.get("num_key_value_heads") or num_heads),
+        head_dim=head_dim,
+        rms_norm_eps=float(require(raw, "rms_norm_eps", where)),
+        rope_theta=rope_theta_of(raw, where),
+        rotary_dim=head_dim,
+        max_position_embeddings=int(require(raw, "max_position_embeddings", where)),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        eos_token_ids=eos_ids(raw.get("eos_token_id")),
+        layer_types=(FULL_ATTENTION,) * num_layers,
+    )
+
+
+def _parse_qwen3_5(raw: dict[str, Any]) -> ModelConfig:
+    # Imported here so that an unfinished exercise never breaks Qwen3.
+    from a4.models.qwen3_5_config import parse_qwen3_5_config
+
+    return parse_qwen3_5_config(raw)
+
+
+def _parse_qwen3_5_moe(raw: dict[str, Any]) -> ModelConfig:
+    from a4.models.qwen3_5_config import parse_qwen3_5_moe_config
+
+    return parse_qwen3_5_moe_config(raw)
+
+
+CONFIG_PARSERS: dict[str, Callable[[dict[str, Any]], ModelConfig]] = {
+    "Qwen3ForCausalLM": parse_qwen3_config,
+    "Qwen3_5ForConditionalGeneration": _parse_qwen3_5,
+    "Qwen3_5MoeForConditionalGeneration": _parse_qwen3_5_moe,
+}
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such file (is this a checkpoint directory?)") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+def parse_config(raw: dict[str, Any]) -> ModelConfig:
+    """Dispatch a config.json's contents to the parser of its architecture."""
+    archs = raw.get("architectures") or []
+    if not archs:
+        raise ConfigError("config.json: missing 'architectures' (which model class is this?)")
+    parser = CONFIG_PARSERS.get(archs[0])
+    if parser is None:
+        raise ConfigError(f"config.json: architecture {archs[0]!r} is not supported (known: {sorted(CONFIG_PARSERS)})")
+    return parser(raw)
+
+
+def load_model_config(model_dir: str | Path) -> ModelConfig:
+    """The ModelConfig of a checkpoint directory.
+
+    Stop tokens follow transformers' `generate`: generation_config.json's eos_token_id wins over config.json's,
+    so that the engine stops exactly where the reference stops.
+    """
+    model_dir = Path(model_dir)
+    config = parse_config(read_json(model_dir / "config.json"))
+    generation_path = model_dir / "generation_config.json"
+    if generation_path.exists():
+        generation_eos = eos_ids(read_json(generation_path).get("eos_token_id"))
+        if generation_eos:
+            config = replace(config, eos_token_ids=generation_eos)
+    return config
