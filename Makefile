@@ -19,20 +19,32 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	A4_SOLUTIONS=1 $(PY) -m a4 demo
 
-# Unit tests, notebooks against the reference solutions and against the skeleton, skeleton in sync, the book.
+# The student skeleton in sync with solutions/, the unit tests (against the reference solutions), the notebooks
+# against the reference solutions and against the skeleton, the book.
+# Two pytest workers on two cores: one torch thread each, or every small op pays for thread oversubscription.
 test: $(STAMP)
 	$(PY) -m a4.course check
-	$(PY) -m pytest -q -n 2 --dist loadfile tests
+	OMP_NUM_THREADS=1 A4_SOLUTIONS=1 $(PY) -m pytest -q -n 2 --dist loadfile tests
 	$(MAKE) notebooks book
 
+# Every cell passes with A4_SOLUTIONS=1; on the skeleton every check cell fails and no other cell does.
 notebooks: $(STAMP)
 	$(PY) -m a4.course verify-notebooks
 
+# The book's source root is the repository root (see book/_config.yml); notebooks run against the reference
+# solutions, widgets fall back to static figures, and a failing cell or any warning fails the build.
 book: $(STAMP)
-	A4_SOLUTIONS=1 $(VENV)/bin/jupyter-book build book/ -W -n --keep-going
+	A4_SOLUTIONS=1 A4_STATIC=1 $(VENV)/bin/jupyter-book build . --config book/_config.yml --toc book/_toc.yml \
+		--path-output book --all -W -n --keep-going
 
+# Grade this checkout's notebooks (your own code: A4_SOLUTIONS is not set); GRADE_ARGS="--notebook 01" for one.
 grade: $(STAMP)
-	$(PY) -m a4.course grade .
+	$(PY) -m a4.course grade . $(GRADE_ARGS)
+
+# The student handout (the repository without solutions/): make release OUT=../a4-handout
+OUT ?= ../a4-handout
+release: $(STAMP)
+	$(PY) -m a4.course release $(OUT)
 
 bench: $(STAMP)
 	A4_SOLUTIONS=1 $(PY) -m a4 bench

@@ -43,6 +43,8 @@ class Req:
     output_ids: list[int] = field(default_factory=list)
     cache_handle: object | None = None
     finished: bool = False
+    # Why it finished: "eos", "length" or "error" (then `error` says what is wrong); None while it runs.
+    finish_reason: Literal["eos", "length", "error"] | None = None
     error: str | None = None
 
     @property

@@ -1,0 +1,264 @@
+"""The command line: `python -m a4 demo | generate | bench`.
+
+- `demo`: a batch of requests with shared prefixes through the engine (chunked prefill and the prefix cache at work),
+  each request's tokens beside transformers' greedy tokens; exits non-zero if any request differs. Tiny Qwen3.5 by
+  default (`--arch qwen3` for the all-attention model).
+- `generate`: continue prompts given as token ids (`--prompt "1 2 3"`) or as text (`--text`, when the checkpoint
+  directory has a tokenizer).
+- `bench <name>`: run a benchmark module of `a4.bench` (all of them without a name).
+
+Bad arguments give one line on stderr and exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import pkgutil
+import random
+import sys
+from pathlib import Path
+
+from a4.core import Output, SamplingParams
+
+ARCHS = ("qwen3", "qwen3_5", "qwen3_5_moe")
+DTYPES = ("float32", "bfloat16")
+USAGE_ERROR = 2
+
+
+class UsageError(Exception):
+    """A bad command-line argument: reported in one line, exit status 2."""
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.run(args)
+    except (UsageError, ValueError) as e:
+        # ValueError covers what the engine rejects: bad settings, a malformed config.json (ConfigError).
+        print(f"error: {e}", file=sys.stderr)
+        return USAGE_ERROR
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m a4", description="a4: a small SGLang-style inference engine")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{demo,generate,bench}")
+
+    demo = commands.add_parser("demo", help="engine vs transformers on a batch with shared prefixes")
+    demo.add_argument("--arch", choices=ARCHS, default="qwen3_5", help="tiny checkpoint to build (default: qwen3_5)")
+    demo.add_argument("--model-dir", type=Path, help="a local checkpoint instead of the tiny one")
+    demo.add_argument("--dtype", choices=DTYPES, default="float32")
+    demo.add_argument("--device", default="cpu")
+    demo.add_argument("--max-new-tokens", type=positive_int, default=8)
+    demo.add_argument("--max-prefill-tokens", type=positive_int, default=16, help="small, so that prompts are chunked")
+    demo.add_argument("--max-running-requests", type=positive_int, default=4)
+    demo.add_argument("--page-size", type=positive_int, default=1)
+    demo.set_defaults(run=run_demo)
+
+    generate = commands.add_parser("generate", help="continue prompts")
+    generate.add_argument("--model-dir", type=Path, required=True)
+    prompts = generate.add_mutually_exclusive_group(required=True)
+    prompts.add_argument("--prompt", action="append", type=token_ids, help='token ids, e.g. "1 2 3" (repeatable)')
+    prompts.add_argument("--text", action="append", help="text, tokenized by the checkpoint's tokenizer (repeatable)")
+    generate.add_argument("--max-new-tokens", type=positive_int, default=16)
+    generate.add_argument("--dtype", choices=DTYPES, default="float32")
+    generate.add_argument("--device", default="cpu")
+    generate.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
+    generate.add_argument("--top-k", type=int, default=0)
+    generate.add_argument("--top-p", type=float, default=1.0)
+    generate.add_argument("--seed", type=int)
+    generate.set_defaults(run=run_generate)
+
+    bench = commands.add_parser("bench", help="run a benchmark of a4.bench (all of them without a name)")
+    bench.add_argument("name", nargs="?", help=f"one of: {', '.join(benchmark_names()) or '(none yet)'}")
+    bench.add_argument("--quick", action="store_true", help="a smaller run")
+    bench.add_argument("--out", type=Path, default=Path("bench-out"), help="output directory (default: bench-out)")
+    bench.set_defaults(run=run_bench)
+    return parser
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def token_ids(text: str) -> list[int]:
+    try:
+        return [int(token) for token in text.replace(",", " ").split()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected token ids separated by spaces, got {text!r}") from None
+
+
+def model_dir_or_fail(path: Path) -> Path:
+    if not path.is_dir():
+        raise UsageError(f"--model-dir {path}: no such directory")
+    return path
+
+
+# -------------------------------------------------------------------------------------------------------------- demo
+
+
+def demo_prompts(vocab_size: int, stop_tokens: tuple[int, ...], seed: int = 0) -> list[list[int]]:
+    """Eight prompts of 1 to 70 tokens; six share a 24-token "system prompt", one repeats another exactly."""
+    rng = random.Random(seed)
+
+    def tokens(n: int) -> list[int]:
+        out = []
+        while len(out) < n:
+            token = rng.randrange(vocab_size)
+            if token not in stop_tokens:
+                out.append(token)
+        return out
+
+    system = tokens(24)
+    questions = [system + tokens(n) for n in (3, 11, 29, 6)]
+    return [
+        *questions,
+        tokens(70),  # unrelated, and longer than the prefill budget: chunked
+        tokens(1),
+        questions[0],  # the same prompt again: all but its last token comes from the cache
+        questions[1] + tokens(5),  # extends another request's prompt
+    ]
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    from a4.checkpoints import tiny_checkpoint
+    from a4.llm import LLM
+    from a4.reference import hf_greedy
+
+    if args.model_dir is not None:
+        model_dir = model_dir_or_fail(args.model_dir)
+    else:
+        print(f"building (or reusing) the tiny {args.arch} checkpoint ...", flush=True)
+        model_dir = tiny_checkpoint(args.arch)
+    try:
+        llm = LLM(
+            model_dir,
+            dtype=args.dtype,
+            device=args.device,
+            max_running_requests=args.max_running_requests,
+            max_prefill_tokens=args.max_prefill_tokens,
+            page_size=args.page_size,
+        )
+    except NotImplementedError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    config = llm.engine.model_config
+    prompts = demo_prompts(config.vocab_size, config.eos_token_ids)
+    print(f"model: {config.architecture} from {model_dir} ({args.dtype} on {args.device})")
+    print(
+        f"{len(prompts)} requests, up to {args.max_new_tokens} new tokens each; max_prefill_tokens="
+        f"{args.max_prefill_tokens}, max_running_requests={args.max_running_requests}, page_size={args.page_size}, "
+        f"prefix cache {'on' if llm.engine.prefix_cache_enabled else 'off (a hybrid model reuses no prefix yet)'}\n"
+    )
+    outputs = llm.generate(prompts, SamplingParams(max_new_tokens=args.max_new_tokens))
+    print("running transformers (each prompt alone) for reference ...\n", flush=True)
+    expected = hf_greedy(model_dir, prompts, args.max_new_tokens, dtype=args.dtype)
+
+    matches = [out.token_ids == ref for out, ref in zip(outputs, expected)]
+    print_comparison(prompts, outputs, expected, matches)
+    print("\nmemory plan")
+    print("  " + llm.memory_plan.describe().replace("\n", "\n  "))
+    stats = llm.stats
+    prompt_tokens = sum(len(p) for p in prompts)
+    print(
+        f"\nprefix cache: {stats.cached_tokens} of {prompt_tokens} prompt tokens served from the cache "
+        f"({stats.cached_tokens / prompt_tokens:.0%}), {sum(o.cached_tokens > 0 for o in outputs)} requests hit"
+    )
+    print(
+        f"steps: {stats.prefill_steps} prefill ({stats.prefill_tokens} tokens, "
+        f"{stats.prefill_tokens_per_second:,.0f} tok/s), {stats.decode_steps} decode ({stats.decode_tokens} tokens, "
+        f"{stats.decode_tokens_per_second:,.0f} tok/s)"
+    )
+    if all(matches):
+        print(f"\nall {len(prompts)} requests match transformers token for token")
+        return 0
+    print(f"\nMISMATCH: {matches.count(False)} of {len(prompts)} requests differ from transformers")
+    return 1
+
+
+def print_comparison(
+    prompts: list[list[int]], outputs: list[Output], expected: list[list[int]], matches: list[bool]
+) -> None:
+    a4_column = [" ".join(map(str, out.token_ids)) for out in outputs]
+    hf_column = [" ".join(map(str, ref)) for ref in expected]
+    width = max(len("a4 tokens"), *(len(text) for text in a4_column + hf_column))
+    print(f"{'req':>3} {'prompt':>6} {'cached':>6}  {'a4 tokens':<{width}}  {'transformers':<{width}}  match")
+    for i, (prompt, out) in enumerate(zip(prompts, outputs)):
+        print(
+            f"{i:>3} {len(prompt):>6} {out.cached_tokens:>6}  {a4_column[i]:<{width}}  {hf_column[i]:<{width}}  "
+            f"{'yes' if matches[i] else 'NO'}"
+        )
+
+
+# ---------------------------------------------------------------------------------------------------------- generate
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    from a4.llm import LLM
+
+    model_dir = model_dir_or_fail(args.model_dir)
+    tokenizer = load_tokenizer(model_dir) if args.text else None
+    prompts = [tokenizer.encode(text) for text in args.text] if tokenizer else args.prompt
+    params = SamplingParams(
+        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+        seed=args.seed,
+    )
+    llm = LLM(model_dir, dtype=args.dtype, device=args.device)
+    failed = False
+    for i, (prompt, out) in enumerate(zip(prompts, llm.generate(prompts, params))):
+        if out.finish_reason == "error":
+            print(f"[{i}] error: {out.error}")
+            failed = True
+            continue
+        print(f"[{i}] {' '.join(map(str, out.token_ids))}  ({out.finish_reason})")
+        if tokenizer is not None:
+            print(f"    {tokenizer.decode(prompt)!r} -> {tokenizer.decode(out.token_ids)!r}")
+    return 1 if failed else 0
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def load_tokenizer(model_dir: Path):
+    from transformers import AutoTokenizer
+
+    # Checked first: without any tokenizer file, transformers 5 quietly builds an empty tokenizer from the model
+    # type, which would turn every text into an empty prompt.
+    if not any((model_dir / name).exists() for name in TOKENIZER_FILES):
+        raise UsageError(
+            f"--text needs a tokenizer, and {model_dir} has none ({', '.join(TOKENIZER_FILES)}); use --prompt"
+        )
+    try:
+        return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise UsageError(f"--text needs a tokenizer, and the one in {model_dir} does not load ({e})") from None
+
+
+# ------------------------------------------------------------------------------------------------------------- bench
+
+
+def benchmark_names() -> list[str]:
+    import a4.bench
+
+    return sorted(module.name for module in pkgutil.iter_modules(a4.bench.__path__) if not module.name.startswith("_"))
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    available = benchmark_names()
+    if args.name is not None and args.name not in available:
+        raise UsageError(f"unknown benchmark {args.name!r} (available: {', '.join(available) or 'none yet'})")
+    names = [args.name] if args.name else available
+    if not names:
+        print("no benchmarks in a4/bench yet")
+    for name in names:
+        print(f"== bench {name}", flush=True)
+        importlib.import_module(f"a4.bench.{name}").main(quick=args.quick, out_dir=args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,22 @@
+"""Helpers for the notebooks' check cells: one module per notebook topic, shared plumbing here.
+
+A check compares the student's result with transformers or with an independent computation written in these
+modules, never with a4's reference solutions (under A4_SOLUTIONS=1 the reference solution is the code under test,
+not the ground truth). A failing check raises `CheckFailed` (an AssertionError) whose first line names the first
+problem in words a student can act on, and whose following lines list every problem. A NotImplementedError from an
+unwritten exercise is left to propagate: its message already names the exercise to write.
+"""
+
+from __future__ import annotations
+
+
+class CheckFailed(AssertionError):
+    """A check found the student's result different from the reference."""
+
+
+def conclude(problems: list[str], success: str) -> None:
+    """Raise CheckFailed listing `problems`, or print `success` when there are none."""
+    if problems:
+        more = f" (and {len(problems) - 1} more below)" if len(problems) > 1 else ""
+        raise CheckFailed(f"{problems[0]}{more}\n" + "\n".join(f"  - {p}" for p in problems))
+    print(f"PASSED: {success}")

@@ -1,0 +1,387 @@
+"""Checks of notebook 05: the StatePool, and Qwen3.5 served by the engine, against independent references.
+
+Two ground truths:
+- the pool's shapes, dtypes and bytes are computed here from config.json's own fields (the raw file, not a4's
+  ModelConfig), with the formula of the real checkpoints: per GDN layer conv_dim x (K-1) values in the model dtype
+  and Hv x dk x dv values in float32;
+- the tokens are transformers' greedy generation of each prompt alone (`a4.reference.hf_greedy`). Each engine check
+  serves the same prompts under one policy (one batch, chunked prefill, slot reuse, poisoned slots) and compares
+  every token. Those reference generations are computed once per process (`reference_tokens`).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import random
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from a4.checkpoints import preset_config
+from a4.core import Output, SamplingParams
+from a4.course.checks import CheckFailed, conclude
+from a4.course.checks.config import QWEN3_5_PRESETS
+from a4.models.config import LINEAR_ATTENTION, parse_config
+
+# Prompt lengths of every engine check: a single token, lengths around the GDN chunk of 64 tokens, and long ones
+# that span several chunks.
+PROMPT_LENGTHS = (1, 7, 40, 63, 64, 65, 130, 300)
+MAX_NEW_TOKENS = 6
+# Prefill budgets of the chunked check: each cuts some prompts before, at or after a 64-token GDN chunk boundary.
+CHUNK_BUDGETS = (1, 7, 63, 64, 65)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+# ------------------------------------------------------------------------------------------- sizes from config.json
+
+
+def text_config(raw: dict[str, Any]) -> dict[str, Any]:
+    return raw.get("text_config", raw)
+
+
+def expected_state_layout(raw: dict[str, Any]) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
+    """(GDN layers, conv state shape of one slot, recurrent state shape of one slot), from config.json's fields."""
+    t = text_config(raw)
+    conv_dim = 2 * t["linear_num_key_heads"] * t["linear_key_head_dim"] + (
+        t["linear_num_value_heads"] * t["linear_value_head_dim"]
+    )
+    num_gdn = t["layer_types"].count(LINEAR_ATTENTION)
+    conv = (conv_dim, t["linear_conv_kernel_dim"] - 1)
+    recurrent = (t["linear_num_value_heads"], t["linear_key_head_dim"], t["linear_value_head_dim"])
+    return num_gdn, conv, recurrent
+
+
+def expected_bytes_per_slot(raw: dict[str, Any], dtype: torch.dtype) -> int:
+    """Per GDN layer: conv_dim x (K-1) values in the model dtype + Hv x dk x dv values in float32."""
+    num_gdn, conv, recurrent = expected_state_layout(raw)
+    conv_values = conv[0] * conv[1]
+    recurrent_values = recurrent[0] * recurrent[1] * recurrent[2]
+    return num_gdn * (conv_values * dtype.itemsize + recurrent_values * 4)
+
+
+def read_config(checkpoint: str | Path) -> dict[str, Any]:
+    return json.loads((Path(checkpoint) / "config.json").read_text())
+
+
+def _configs(checkpoint: str | Path) -> dict[str, dict[str, Any]]:
+    """The tiny checkpoint's config.json and the five real ones, by label."""
+    configs = {"tiny checkpoint": read_config(checkpoint)}
+    configs |= {f"{arch} {preset}": preset_config(arch, preset) for arch, preset in QWEN3_5_PRESETS}
+    return configs
+
+
+def check_pool_layout(state_pool_class: type, checkpoint: str | Path, num_slots: int = 3) -> None:
+    """One conv and one recurrent state per GDN layer, of the right shapes and dtypes, zero, and views of the pool.
+
+    The real configs are allocated on the `meta` device (shapes without memory); the tiny one on the CPU, where the
+    check also writes through the accessors to see that each (layer, slot) is its own memory.
+    """
+    problems = []
+    for label, raw in _configs(checkpoint).items():
+        config = parse_config(raw)
+        for dtype_name, dtype in DTYPES.items():
+            device = "cpu" if label == "tiny checkpoint" else "meta"
+            pool = state_pool_class(config, num_slots, dtype, device)
+            problems += _layout_problems(f"{label}, {dtype_name}", pool, raw, num_slots, dtype, device)
+    conclude(problems, f"the pool holds one conv and one recurrent state per GDN layer, for {len(_configs(checkpoint))} configs")
+
+
+def _layout_problems(
+    label: str, pool, raw: dict[str, Any], num_slots: int, dtype: torch.dtype, device: str
+) -> list[str]:
+    num_gdn, conv_shape, recurrent_shape = expected_state_layout(raw)
+    expected = {
+        "conv_state": ((num_slots, *conv_shape), dtype),
+        "recurrent_state": ((num_slots, *recurrent_shape), torch.float32),
+    }
+    problems = []
+    for accessor, (shape, dtype_wanted) in expected.items():
+        for k in range(num_gdn):
+            tensor = getattr(pool, accessor)(k)
+            got = (tuple(tensor.shape), tensor.dtype, tensor.device.type)
+            if got != (shape, dtype_wanted, device):
+                problems.append(f"{label}: {accessor}({k}) is {got[0]} {got[1]} on {got[2]}; "
+                                f"expected {shape} {dtype_wanted} on {device}")
+        try:
+            getattr(pool, accessor)(num_gdn)
+        except IndexError:
+            pass
+        else:
+            problems.append(f"{label}: {accessor}({num_gdn}) exists, but the model has only {num_gdn} GDN layers")
+    if problems or device == "meta":
+        return problems
+    # Every state starts at zero, and every (layer, slot) is its own memory: a write through one accessor shows up
+    # there, and nowhere else.
+    for accessor in expected:
+        states = [getattr(pool, accessor)(k) for k in range(num_gdn)]
+        if any(bool(state.any()) for state in states):
+            problems.append(f"{label}: a new pool's {accessor}s are not all zero")
+            continue
+        states[num_gdn - 1][num_slots - 1].fill_(1)
+        written = [int(getattr(pool, accessor)(k).count_nonzero()) for k in range(num_gdn)]
+        one_slot = states[0][0].numel()
+        if written != [0] * (num_gdn - 1) + [one_slot]:
+            problems.append(
+                f"{label}: filling slot {num_slots - 1} of GDN layer {num_gdn - 1} through {accessor}({num_gdn - 1}) "
+                f"changed {written} values per layer; expected {one_slot} in that layer only (accessors must return "
+                "views of separate memory, not copies)"
+            )
+    return problems
+
+
+def check_bytes_per_slot(bytes_per_slot, checkpoint: str | Path) -> None:
+    """StatePool.bytes_per_slot(config, dtype) equals the bytes computed from config.json, for every config."""
+    problems = []
+    configs = _configs(checkpoint)
+    for label, raw in configs.items():
+        config = parse_config(raw)
+        for dtype_name, dtype in DTYPES.items():
+            got, wanted = bytes_per_slot(config, dtype), expected_bytes_per_slot(raw, dtype)
+            if got != wanted:
+                problems.append(f"{label}, {dtype_name}: bytes_per_slot gives {got:,} B; expected {wanted:,} B")
+    conclude(problems, f"bytes_per_slot matches config.json for {len(configs)} configs in float32 and bfloat16")
+
+
+def check_save_restore(state_pool_class: type, checkpoint: str | Path, num_slots: int = 4) -> None:
+    """save copies one slot's whole state; restore copies it into one slot and leaves every other slot alone."""
+    raw = read_config(checkpoint)
+    config = parse_config(raw)
+    problems = []
+    for dtype_name, dtype in DTYPES.items():
+        label = f"tiny checkpoint, {dtype_name}"
+        pool = state_pool_class(config, num_slots, dtype, "cpu")
+        generator = torch.Generator().manual_seed(0)
+        for k in range(len(config.linear_attention_layers)):
+            for state in (pool.conv_state(k), pool.recurrent_state(k)):
+                state.copy_(torch.randn(state.shape, generator=generator))
+        before = _snapshot(pool)
+
+        saved = pool.save(1)
+        if not _same_states(_snapshot(pool), before):
+            problems.append(f"{label}: save(1) changed the pool")
+        if saved.nbytes != expected_bytes_per_slot(raw, dtype):
+            problems.append(f"{label}: the checkpoint holds {saved.nbytes:,} B; one slot's state is "
+                            f"{expected_bytes_per_slot(raw, dtype):,} B")
+        if _slot_values(pool, 1) != _checkpoint_values(saved):
+            problems.append(f"{label}: save(1) does not hold slot 1's conv and recurrent states of every GDN layer")
+            continue
+        _fill_slot(pool, 1, 7.0)
+        if _slot_values(before, 1) != _checkpoint_values(saved):
+            problems.append(f"{label}: writing to slot 1 after save(1) changed the checkpoint (save must copy)")
+            continue
+
+        pool.restore(saved, 3)
+        after = _snapshot(pool)
+        if _slot_values(after, 3) != _slot_values(before, 1):
+            problems.append(f"{label}: after restore(save(1), 3) slot 3 does not hold slot 1's saved state")
+        changed = [slot for slot in (0, 2) if _slot_values(after, slot) != _slot_values(before, slot)]
+        if changed:
+            problems.append(f"{label}: restore into slot 3 changed slot(s) {changed}")
+        _fill_slot(pool, 3, -7.0)
+        pool.restore(saved, 0)
+        if _slot_values(pool, 0) != _slot_values(before, 1):
+            problems.append(f"{label}: the checkpoint could not be restored a second time (restore must not alias it)")
+    conclude(problems, "save copies a slot's whole state; restore puts it back into any slot, touching no other")
+
+
+def _snapshot(pool) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """A copy of every GDN layer's (conv, recurrent) states, all slots."""
+    return [(pool.conv_state(k).clone(), pool.recurrent_state(k).clone()) for k in range(pool.num_layers)]
+
+
+def _same_states(a: list[tuple[torch.Tensor, torch.Tensor]], b: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
+    return all(torch.equal(x, y) for layer_a, layer_b in zip(a, b, strict=True) for x, y in zip(layer_a, layer_b))
+
+
+def _slot_values(pool_or_snapshot, slot: int) -> list[list[float]]:
+    """One slot's states as plain lists (compared exactly), from a pool or a _snapshot."""
+    layers = pool_or_snapshot if isinstance(pool_or_snapshot, list) else _snapshot(pool_or_snapshot)
+    return [[conv[slot].float().flatten().tolist(), recurrent[slot].flatten().tolist()] for conv, recurrent in layers]
+
+
+def _checkpoint_values(saved) -> list[list[float]]:
+    return [
+        [conv.float().flatten().tolist(), recurrent.flatten().tolist()]
+        for conv, recurrent in zip(saved.conv, saved.recurrent, strict=True)
+    ]
+
+
+def _fill_slot(pool, slot: int, value: float) -> None:
+    for k in range(pool.num_layers):
+        pool.conv_state(k)[slot].fill_(value)
+        pool.recurrent_state(k)[slot].fill_(value)
+
+
+# ------------------------------------------------------------------------------------- the engine against transformers
+
+
+def stop_tokens(checkpoint: str | Path) -> set[int]:
+    """Every end-of-sequence id in config.json and generation_config.json (kept out of the prompts)."""
+    ids: set[int] = set()
+    for name in ("config.json", "generation_config.json"):
+        raw = json.loads((Path(checkpoint) / name).read_text())
+        for value in (raw.get("eos_token_id"), text_config(raw).get("eos_token_id")):
+            ids |= set(value) if isinstance(value, list) else {value} if value is not None else set()
+    return ids
+
+
+def shared_prompts(checkpoint: str | Path, seed: int = 5) -> list[list[int]]:
+    """One random prompt per PROMPT_LENGTHS entry, without stop tokens."""
+    rng = random.Random(seed)
+    vocab = text_config(read_config(checkpoint))["vocab_size"]
+    allowed = sorted(set(range(vocab)) - stop_tokens(checkpoint))
+    return [[rng.choice(allowed) for _ in range(n)] for n in PROMPT_LENGTHS]
+
+
+@functools.cache
+def _reference(checkpoint: str, dtype: str) -> tuple[tuple[int, ...], ...]:
+    from a4.reference import hf_greedy
+
+    tokens = hf_greedy(checkpoint, shared_prompts(checkpoint), MAX_NEW_TOKENS, dtype=dtype)
+    return tuple(tuple(t) for t in tokens)
+
+
+def reference_tokens(checkpoint: str | Path, dtype: str = "float32") -> list[list[int]]:
+    """transformers' greedy tokens for shared_prompts (MAX_NEW_TOKENS each), computed once per process."""
+    return [list(t) for t in _reference(str(Path(checkpoint).resolve()), dtype)]
+
+
+def token_problems(
+    label: str, outputs: Sequence[Output], prompts: Sequence[Sequence[int]], expected: Sequence[Sequence[int]]
+) -> list[str]:
+    """Every request whose tokens differ from transformers', with the first position where they do."""
+    problems = []
+    for i, (out, prompt, want) in enumerate(zip(outputs, prompts, expected, strict=True)):
+        if out.error is not None:
+            problems.append(f"{label}: request {i} (prompt of {len(prompt)} tokens) failed: {out.error}")
+        elif out.token_ids != list(want):
+            at = next((j for j, (a, b) in enumerate(zip(out.token_ids, want)) if a != b), min(len(out.token_ids), len(want)))
+            problems.append(
+                f"{label}: request {i} (prompt of {len(prompt)} tokens) differs from transformers at output token {at}: "
+                f"a4 {out.token_ids}, transformers {list(want)}"
+            )
+    return problems
+
+
+def _llm(checkpoint: str | Path, **kwargs):
+    from a4.llm import LLM
+
+    return LLM(checkpoint, **kwargs)
+
+
+def check_decode_single(checkpoint: str | Path) -> None:
+    """One request alone (a 130-token prompt: two GDN chunks, the second partial)."""
+    prompts, expected = shared_prompts(checkpoint), reference_tokens(checkpoint)
+    pick = PROMPT_LENGTHS.index(130)
+    outputs = _llm(checkpoint).generate([prompts[pick]], SamplingParams(max_new_tokens=MAX_NEW_TOKENS))
+    conclude(
+        token_problems("one request", outputs, [prompts[pick]], [expected[pick]]),
+        f"one request of {PROMPT_LENGTHS[pick]} prompt tokens: {len(outputs[0].token_ids)} tokens equal to transformers'",
+    )
+
+
+def check_decode_varlen(checkpoint: str | Path) -> None:
+    """Every prompt (1 to 300 tokens) prefilled in one step and decoded in one batch."""
+    prompts, expected = shared_prompts(checkpoint), reference_tokens(checkpoint)
+    llm = _llm(checkpoint, max_running_requests=len(prompts), max_prefill_tokens=sum(PROMPT_LENGTHS))
+    outputs = llm.generate(prompts, SamplingParams(max_new_tokens=MAX_NEW_TOKENS))
+    problems = token_problems("one batch", outputs, prompts, expected)
+    if llm.stats.prefill_steps != 1:
+        problems.append(f"the {len(prompts)} prompts took {llm.stats.prefill_steps} prefill steps; the check needs one")
+    conclude(
+        problems,
+        f"{len(prompts)} requests of {min(PROMPT_LENGTHS)} to {max(PROMPT_LENGTHS)} prompt tokens in one batch: "
+        f"{sum(len(o.token_ids) for o in outputs)} tokens equal to transformers'",
+    )
+
+
+def check_decode_chunked(checkpoint: str | Path, budgets: Sequence[int] = CHUNK_BUDGETS) -> None:
+    """Prompts prefilled in chunks of each budget, cut anywhere but on the GDN layer's 64-token chunk boundaries.
+
+    Budget 1 feeds prompts of 7 and 40 tokens one token per step; the other budgets feed prompts of 63, 64, 65 and
+    130 tokens, several requests per step, so that chunks end at every kind of position.
+    """
+    prompts, expected = shared_prompts(checkpoint), reference_tokens(checkpoint)
+    problems = []
+    for budget in budgets:
+        lengths = (7, 40) if budget == 1 else (63, 64, 65, 130)
+        picked = [PROMPT_LENGTHS.index(n) for n in lengths]
+        llm = _llm(checkpoint, max_running_requests=len(picked), max_prefill_tokens=budget)
+        outputs = llm.generate([prompts[i] for i in picked], SamplingParams(max_new_tokens=MAX_NEW_TOKENS))
+        problems += token_problems(
+            f"max_prefill_tokens={budget}", outputs, [prompts[i] for i in picked], [expected[i] for i in picked]
+        )
+    conclude(problems, f"chunked prefill with budgets {list(budgets)}: every token equal to transformers'")
+
+
+def check_decode_slot_reuse(checkpoint: str | Path, num_slots: int = 3) -> None:
+    """12 requests through 3 slots: staggered lengths and max_new_tokens, arriving in two generate calls."""
+    prompts, expected = shared_prompts(checkpoint), reference_tokens(checkpoint)
+    llm = _llm(checkpoint, max_running_requests=num_slots, max_prefill_tokens=128)
+    if llm.memory_plan.max_running_requests != num_slots:
+        raise CheckFailed(f"the engine planned {llm.memory_plan.max_running_requests} slots; the check needs {num_slots}")
+    # Greedy generation is a prefix: the first n tokens of a longer run are the run of n tokens.
+    order = [7, 0, 5, 1, 6, 2, 3, 4, 6, 1, 7, 3]
+    new_tokens = [2 + (i * 5) % (MAX_NEW_TOKENS - 1) for i in range(len(order))]
+    problems, served = [], 0
+    for batch in (slice(0, 7), slice(7, None)):
+        picked, limits = order[batch], new_tokens[batch]
+        outputs = llm.generate([prompts[i] for i in picked], [SamplingParams(max_new_tokens=n) for n in limits])
+        problems += token_problems(
+            f"generate call {1 + (batch.start > 0)}",
+            outputs,
+            [prompts[i] for i in picked],
+            [expected[i][:n] for i, n in zip(picked, limits)],
+        )
+        served += len(picked)
+    conclude(problems, f"{served} requests through {num_slots} slots: every token equal to transformers'")
+
+
+def poison(state_pool, generator: torch.Generator) -> None:
+    """Fill every slot of every GDN layer with large finite garbage (what a reused slot may hold, and worse)."""
+    for k in range(state_pool.num_layers):
+        for state in (state_pool.conv_state(k), state_pool.recurrent_state(k)):
+            state.copy_(torch.randn(state.shape, generator=generator) * 1e3)
+
+
+def check_state_poisoned(checkpoint: str | Path, num_slots: int = 5) -> None:
+    """Garbage in every slot before requests arrive: tokens unchanged, and slots no request used keep it bit for bit.
+
+    Three requests run at once on a 5-slot engine, twice (the second time in slots the first run used, poisoned
+    again), then six requests through the same slots. The engine is stepped by hand to see which slot each request
+    has.
+    """
+    prompts, expected = shared_prompts(checkpoint), reference_tokens(checkpoint)
+    llm = _llm(checkpoint, max_running_requests=num_slots, max_prefill_tokens=256)
+    engine, pool = llm.engine, llm.engine.state_pool
+    generator = torch.Generator().manual_seed(1)
+    problems = []
+    for label, picked in (("first run", [6, 0, 3]), ("second run", [2, 7, 4]), ("third run", [1, 5, 3, 0, 6, 2])):
+        poison(pool, generator)
+        before = _snapshot(pool)
+        reqs = [engine.add_request(prompts[i], SamplingParams(max_new_tokens=MAX_NEW_TOKENS)) for i in picked]
+        used: set[int] = set()
+        while not all(req.finished for req in reqs):
+            engine.step()
+            used |= {req.table_idx for req in reqs if req.table_idx >= 0}
+        outputs = [Output(req.output_ids, req.prefix_hit_len, req.finish_reason, req.error) for req in reqs]
+        problems += token_problems(label, outputs, [prompts[i] for i in picked], [expected[i] for i in picked])
+        after = _snapshot(pool)
+        touched = [s for s in range(num_slots) if s not in used and _slot_values(after, s) != _slot_values(before, s)]
+        if touched:
+            problems.append(f"{label}: slot(s) {touched} held no request, yet their state changed")
+    conclude(problems, "requests in poisoned slots match transformers, and no unused slot was written")
+
+
+def bfloat16_agreement(checkpoint: str | Path) -> tuple[int, int, int, int]:
+    """(tokens agreeing before the first difference, tokens, requests identical, requests): a4 vs transformers in bf16."""
+    prompts, expected = shared_prompts(checkpoint), reference_tokens(checkpoint, "bfloat16")
+    outputs = _llm(checkpoint, dtype="bfloat16").generate(prompts, SamplingParams(max_new_tokens=MAX_NEW_TOKENS))
+    agreeing = 0
+    for out, want in zip(outputs, expected):
+        agreeing += next((j for j, (a, b) in enumerate(zip(out.token_ids, want)) if a != b), min(len(out.token_ids), len(want)))
+    identical = sum(out.token_ids == want for out, want in zip(outputs, expected))
+    return agreeing, sum(len(want) for want in expected), identical, len(prompts)

@@ -1,0 +1,42 @@
+"""Helpers for the notebooks' demonstration cells (the cells that are not checks).
+
+`needs_exercise()` wraps a demonstration that runs the student's code: until the exercise is written it prints
+which one is missing instead of failing, so the rest of the notebook still runs. A cell that uses what such a
+demonstration computed does so inside the same `with` block (a later cell would meet a NameError).
+
+`explore(show, **choices)` is a small ipywidgets explorer with a static fallback: with `A4_STATIC=1` (the book
+build sets it) or without ipywidgets it calls `show` once with the first value of each choice.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+
+@contextmanager
+def needs_exercise() -> Iterator[None]:
+    try:
+        yield
+    except NotImplementedError as e:
+        if not str(e).startswith("Exercise "):
+            raise
+        print(f"Not implemented yet. {e}\nThis cell shows its result once that exercise is done.")
+
+
+def static_mode() -> bool:
+    return os.environ.get("A4_STATIC", "").strip().lower() in ("1", "true", "yes")
+
+
+def explore(show: Callable[..., None], **choices: Sequence[Any]) -> None:
+    """Let the reader call `show(**kwargs)` with any combination of `choices` (each a list of values)."""
+    try:
+        import ipywidgets
+    except ImportError:
+        ipywidgets = None
+    if ipywidgets is None or static_mode():
+        show(**{name: values[0] for name, values in choices.items()})
+        return
+    ipywidgets.interact(show, **{name: list(values) for name, values in choices.items()})

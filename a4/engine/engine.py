@@ -1,0 +1,336 @@
+"""Engine: the model and its memory, driven one step at a time.
+
+`Engine(config)` loads the checkpoint, plans memory (memory_plan.py), creates the pools and the scheduler. Each
+`step()` asks the scheduler for a batch, turns it into a ForwardBatch (flat tensors of the step's new tokens and where
+their KV goes), runs the model, samples and hands the tokens back to the scheduler. `add_request` validates a
+request first: a bad one finishes at once with finish_reason "error" and never reaches the model.
+
+Hybrid models (config.is_hybrid, Qwen3.5) also keep a StatePool (notebook 05): the Gated DeltaNet states of every
+request slot, indexed like `req_to_token` by the slot (`ForwardBatch.req_slots`). Its per-slot bytes go into the
+memory plan, the pool is created in `_create_pools`, cleared for each request that starts from nothing, and handed
+to the model in `_forward_batch`. Until the prefix cache can save states (notebook 07), a hybrid model never reuses
+a cached prefix: KV alone cannot resume a request whose state at that position was never kept.
+"""
+
+from __future__ import annotations
+
+import functools
+import operator
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+
+from a4.core import Batch, ForwardBatch, Req, SamplingParams
+from a4.engine.memory_plan import MemoryLedger, MemoryPlan, default_budget_bytes, plan_memory
+from a4.engine.sampling import Sampler
+from a4.kvcache.allocator import PageAllocator
+from a4.kvcache.kv_pool import KVPool
+from a4.kvcache.radix_cache import BasePrefixCache, NoPrefixCache, RadixCache
+from a4.models.registry import load_model
+from a4.scheduler.cache import CacheManager
+from a4.scheduler.scheduler import Scheduler
+from a4.scheduler.table import TableManager
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """The engine's settings, checked on construction (a bad value is a ValueError naming it)."""
+
+    model_dir: str | Path
+    dtype: str | torch.dtype = "float32"
+    device: str | torch.device = "cpu"
+    max_running_requests: int = 8
+    max_prefill_tokens: int = 512
+    page_size: int = 1
+    enable_prefix_cache: bool = True
+    memory_budget_bytes: int | None = None
+    # Hybrid models: the largest share of the budget that request slots (with their states) may take, the rest
+    # going to KV pages; None: `max_running_requests` slots first (see a4/engine/hybrid_memory.py).
+    state_fraction: float | None = None
+
+    def __post_init__(self) -> None:
+        if not Path(self.model_dir).is_dir():
+            raise ValueError(f"model_dir {str(self.model_dir)!r} is not a directory")
+        if self.dtype not in DTYPES and self.dtype not in DTYPES.values():
+            raise ValueError(f"unknown dtype {self.dtype!r} (expected one of {sorted(DTYPES)})")
+        try:
+            device = torch.device(self.device)
+        except (RuntimeError, TypeError) as e:
+            raise ValueError(f"unknown device {self.device!r} ({e})") from None
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device {self.device!r}: CUDA is not available")
+        for name in ("max_running_requests", "max_prefill_tokens", "page_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.memory_budget_bytes is not None and (
+            not isinstance(self.memory_budget_bytes, int) or self.memory_budget_bytes <= 0
+        ):
+            raise ValueError(
+                f"memory_budget_bytes must be a positive integer or None, got {self.memory_budget_bytes!r}"
+            )
+        if self.state_fraction is not None and (
+            isinstance(self.state_fraction, bool)
+            or not isinstance(self.state_fraction, (int, float))
+            or not 0 < self.state_fraction < 1
+        ):
+            raise ValueError(f"state_fraction must be a number in (0, 1) or None, got {self.state_fraction!r}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES.get(self.dtype, self.dtype)
+
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device(self.device)
+
+
+@dataclass
+class EngineStats:
+    """Counters since the engine was built; tokens are prompt tokens (prefill) or generated tokens (decode)."""
+
+    prefill_steps: int = 0
+    decode_steps: int = 0
+    prefill_tokens: int = 0  # prompt tokens run through the model
+    cached_tokens: int = 0  # prompt tokens served by the prefix cache instead (counted when a request finishes)
+    decode_tokens: int = 0
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+
+    @property
+    def steps(self) -> int:
+        return self.prefill_steps + self.decode_steps
+
+    @property
+    def prefill_tokens_per_second(self) -> float:
+        return self.prefill_tokens / self.prefill_seconds if self.prefill_seconds else 0.0
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        return self.decode_tokens / self.decode_seconds if self.decode_seconds else 0.0
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, *, progress: bool = False) -> None:
+        self.config = config
+        self.device = config.torch_device
+        self.model_config, self.model, self.load_report = load_model(
+            config.model_dir, dtype=config.torch_dtype, device=self.device, progress=progress
+        )
+        self.ledger, self.memory_plan = self._plan_memory()
+        # The longest request (prompt + output) the engine can hold: what the model accepts, and what fits in the
+        # pool on its own. Whole pages, because pages are recorded in the table whole.
+        page_size = config.page_size
+        context = min(self.model_config.max_position_embeddings, self.memory_plan.num_tokens)
+        self.max_context_len = context - context % page_size
+        self._create_pools()
+        self.table_manager = TableManager(self.memory_plan.max_running_requests, self.max_context_len, self.device)
+        # A hybrid model refuses prefix hits: the cache keeps KV but no states, and a request resumed at a cached
+        # position would run its GDN layers from a state that was never saved there.
+        use_prefix_cache = config.enable_prefix_cache and not self.model_config.is_hybrid
+        prefix_cache: BasePrefixCache = RadixCache(page_size) if use_prefix_cache else NoPrefixCache(page_size)
+        self.cache_manager = CacheManager(
+            PageAllocator(self.memory_plan.num_pages, page_size), prefix_cache, self.table_manager
+        )
+        self.scheduler = Scheduler(
+            self.table_manager,
+            self.cache_manager,
+            max_prefill_tokens=config.max_prefill_tokens,
+            eos_token_ids=self.model_config.eos_token_ids,
+        )
+        self.sampler = Sampler(self.device)
+        self.stats = EngineStats()
+        self._next_uid = 0
+
+    def _plan_memory(self) -> tuple[MemoryLedger, MemoryPlan]:
+        """The model's ledger, and the split of the budget between request slots and KV pages.
+
+        An all-attention model is planned by `plan_memory` (slots first); a hybrid one, whose slots also hold their
+        Gated DeltaNet states, by `plan_hybrid_memory` with the configured `state_fraction`.
+        """
+        config, model_config, dtype = self.config, self.model_config, self.config.torch_dtype
+        if model_config.is_hybrid:
+            # Imported only for hybrid models: the hybrid plan (notebook 06) and the StatePool it counts (notebook
+            # 05) are exercises, and serving Qwen3 must not depend on them.
+            from a4.engine.hybrid_memory import hybrid_ledger, plan_hybrid_memory
+
+            ledger = hybrid_ledger(model_config, dtype)
+            plan = functools.partial(plan_hybrid_memory, state_fraction=config.state_fraction)
+        else:
+            if config.state_fraction is not None:
+                raise ValueError(
+                    f"state_fraction {config.state_fraction} applies to hybrid models only: "
+                    f"{model_config.architecture} keeps no state per request"
+                )
+            ledger, plan = MemoryLedger.from_config(model_config, dtype), plan_memory
+        budget = config.memory_budget_bytes or default_budget_bytes(
+            ledger,
+            max_running_requests=config.max_running_requests,
+            max_context_len=model_config.max_position_embeddings,
+            device=self.device,
+        )
+        memory_plan = plan(
+            model_config,
+            budget_bytes=budget,
+            page_size=config.page_size,
+            dtype=dtype,
+            max_running_requests=config.max_running_requests,
+        )
+        return ledger, memory_plan
+
+    def _create_pools(self) -> None:
+        """The memory the layers read and write: KV pages and, for a hybrid model, a state per request slot."""
+        config = self.model_config
+        self.kv_pool = KVPool(
+            num_layers=len(config.full_attention_layers),
+            num_pages=self.memory_plan.num_pages,
+            page_size=self.config.page_size,
+            num_kv_heads=config.num_key_value_heads,
+            head_dim=config.head_dim,
+            dtype=self.config.torch_dtype,
+            device=self.device,
+        )
+        self.state_pool = None
+        if config.is_hybrid:
+            # Imported here: the StatePool is an exercise (notebook 05), and serving Qwen3 must not depend on it.
+            from a4.kvcache.state_pool import StatePool
+
+            self.state_pool = StatePool(
+                config, self.memory_plan.max_running_requests, self.config.torch_dtype, self.device
+            )
+
+    def add_request(self, input_ids: list[int], sampling_params: SamplingParams) -> Req:
+        """Queue a request; a request that can never run comes back already finished, with its error."""
+        req = Req(uid=self._next_uid, input_ids=list(input_ids), sampling_params=sampling_params)
+        self._next_uid += 1
+        error = self._validate(input_ids, sampling_params)
+        if error is not None:
+            req.finished, req.finish_reason, req.error = True, "error", error
+            return req
+        # Output stops at the context limit, like SGLang's clipping of max_tokens, so the reservation at
+        # admission (prompt + max_new_tokens) can always be met by an otherwise idle engine.
+        room = self.max_context_len - len(input_ids)
+        if sampling_params.max_new_tokens > room:
+            req.sampling_params = replace(sampling_params, max_new_tokens=room)
+        self.sampler.add_req(req)
+        self.scheduler.add_req(req)
+        return req
+
+    def _validate(self, input_ids: list[int], params: SamplingParams) -> str | None:
+        """Why this request cannot run, or None."""
+        if len(input_ids) == 0:
+            return "empty prompt: at least one token is needed"
+        vocab_size = self.model_config.vocab_size
+        for position, token in enumerate(input_ids):
+            try:
+                token = operator.index(token)
+            except TypeError:
+                return f"token {token!r} at position {position} is not an integer"
+            if not 0 <= token < vocab_size:
+                return f"token id {token} at position {position} is outside the vocabulary [0, {vocab_size})"
+        if len(input_ids) >= self.max_context_len:
+            return (
+                f"prompt of {len(input_ids)} tokens is too long: the context holds {self.max_context_len} tokens "
+                f"(max_position_embeddings {self.model_config.max_position_embeddings}, KV pool "
+                f"{self.memory_plan.num_tokens} tokens) and at least one must be left to generate"
+            )
+        if params.max_new_tokens < 1:
+            return f"max_new_tokens must be at least 1, got {params.max_new_tokens}"
+        if params.temperature < 0 or params.top_k < 0 or not 0 < params.top_p <= 1:
+            return (
+                f"bad sampling parameters: temperature {params.temperature} (>= 0), top_k {params.top_k} (>= 0), "
+                f"top_p {params.top_p} (in (0, 1])"
+            )
+        return None
+
+    @property
+    def prefix_cache_enabled(self) -> bool:
+        """Whether prompts can reuse cached prefixes (False when switched off, and for hybrid models for now)."""
+        return not isinstance(self.cache_manager.prefix_cache, NoPrefixCache)
+
+    @property
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_reqs
+
+    @torch.inference_mode()
+    def step(self) -> list[Req]:
+        """Run one scheduler step; returns the requests that finished in it."""
+        batch = self.scheduler.schedule_next_batch()
+        if batch is None:
+            if self.scheduler.has_unfinished_reqs:
+                # Admission reserves for the worst case and max_context_len fits the pool, so an idle engine can
+                # always admit the first waiting request: getting here means the bookkeeping is broken.
+                raise RuntimeError("the scheduler has unfinished requests but can run none of them")
+            return []
+        start = time.perf_counter()
+        if self.state_pool is not None:
+            self._clear_new_states(batch)
+        logits = self.model(self._forward_batch(batch))
+        sampled_reqs = [req for req, sampled in zip(batch.reqs, batch.sample) if sampled]
+        tokens = iter(self.sampler.sample(logits, sampled_reqs))
+        next_tokens = [next(tokens) if sampled else None for sampled in batch.sample]
+        self._record(batch, time.perf_counter() - start)
+        finished = self.scheduler.process_batch_output(batch, next_tokens)
+        for req in finished:
+            self.sampler.remove_req(req)
+            self.stats.cached_tokens += req.prefix_hit_len
+        return finished
+
+    def _clear_new_states(self, batch: Batch) -> None:
+        """Zero the state slots of the requests that start from nothing in this step (nothing of them in the pools).
+
+        The GDN layers already ignore the slot of such a request (prefix_lens 0: no initial state); clearing it too
+        means a stale state left by the slot's previous request can never be read, whoever forgets that rule. Only
+        then: a later chunk of the same request (cached_len > 0) continues from the state its slot holds.
+        """
+        new_slots = [req.table_idx for req in batch.reqs if req.cached_len == 0]
+        if new_slots:
+            self.state_pool.clear(new_slots)
+
+    def _forward_batch(self, batch: Batch) -> ForwardBatch:
+        """The step's new tokens in one flat row, with their positions and the KV locations they write."""
+        input_ids, positions, slots_per_token, sample_indices = [], [], [], []
+        for req, extend_len, sampled in zip(batch.reqs, batch.extend_lens, batch.sample):
+            start, end = req.cached_len, req.cached_len + extend_len
+            input_ids += req.all_ids[start:end]
+            positions += range(start, end)
+            slots_per_token += [req.table_idx] * extend_len
+            if sampled:
+                # The logits of a request's last fed token predict its next token.
+                sample_indices.append(len(input_ids) - 1)
+        device = self.device
+        positions_t = torch.tensor(positions, dtype=torch.int64, device=device)
+        req_to_token = self.table_manager.req_to_token
+        return ForwardBatch(
+            phase=batch.phase,
+            input_ids=torch.tensor(input_ids, dtype=torch.int64, device=device),
+            positions=positions_t,
+            req_slots=torch.tensor([req.table_idx for req in batch.reqs], dtype=torch.int64, device=device),
+            extend_lens=list(batch.extend_lens),
+            prefix_lens=[req.cached_len for req in batch.reqs],
+            out_cache_loc=req_to_token[torch.tensor(slots_per_token, device=device), positions_t],
+            sample_indices=torch.tensor(sample_indices, dtype=torch.int64, device=device),
+            req_to_token=req_to_token,
+            kv_pool=self.kv_pool,
+            state_pool=self.state_pool,
+        )
+
+    def _record(self, batch: Batch, seconds: float) -> None:
+        stats = self.stats
+        if batch.phase == "prefill":
+            stats.prefill_steps += 1
+            stats.prefill_tokens += sum(batch.extend_lens)
+            stats.prefill_seconds += seconds
+        else:
+            stats.decode_steps += 1
+            stats.decode_tokens += len(batch.reqs)
+            stats.decode_seconds += seconds
+
+    def run(self, reqs: list[Req]) -> None:
+        """Step until every one of reqs has finished."""
+        while not all(req.finished for req in reqs):
+            self.step()

@@ -1,0 +1,144 @@
+"""The memory plan: how many KV pages and request slots fit in a byte budget.
+
+Two kinds of memory grow with the work the engine takes on:
+- per token: the K and V of every layer that keeps a KV cache (`MemoryLedger.kv_bytes_per_token`);
+- per request slot, fixed whatever the request's length: its row of the `req_to_token` table and, for a hybrid model,
+  its Gated DeltaNet states (`state_bytes_per_slot`, 0 for all-attention models).
+
+`plan_memory` gives the slots what they need first (fewer slots if even that does not fit) and turns the rest of
+the budget into whole KV pages. Only the full-attention layers count toward KV bytes, so a hybrid model (Qwen3.5,
+one layer in four) gets KV only where it needs it. A hybrid model is planned by `plan_hybrid_memory`
+(hybrid_memory.py, notebook 06), which counts the states and can cap the slots' share of the budget before handing
+over to `plan_memory`. Model weights are not part of the budget: they are loaded before the plan is made.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from a4.models.config import ModelConfig
+
+# Bytes of one req_to_token entry (an int64 location).
+TABLE_ENTRY_BYTES = 8
+# Default budget on a CPU: there is no cheap, portable "free memory" query, and a few GiB is what a laptop can spare.
+DEFAULT_CPU_BUDGET_BYTES = 2 << 30
+# Default budget on an accelerator: this fraction of the memory free once the weights are loaded (activations and
+# the allocator's fragmentation need the rest).
+DEFAULT_DEVICE_MEMORY_FRACTION = 0.8
+
+
+class MemoryPlanError(ValueError):
+    """The budget cannot hold even one request slot and one KV page."""
+
+
+@dataclass(frozen=True)
+class MemoryLedger:
+    """What a model costs per token and per request slot, in bytes."""
+
+    kv_bytes_per_token: int
+    table_bytes_per_slot: int
+    state_bytes_per_slot: int = 0
+
+    @classmethod
+    def from_config(cls, config: ModelConfig, dtype: torch.dtype, *, state_bytes_per_slot: int = 0) -> MemoryLedger:
+        element_bytes = torch.empty((), dtype=dtype).element_size()
+        kv_layers = len(config.full_attention_layers)
+        return cls(
+            # K and V, for each KV head of each layer that keeps a KV cache.
+            kv_bytes_per_token=2 * kv_layers * config.num_key_value_heads * config.head_dim * element_bytes,
+            # A row spans the longest context the model accepts (the engine may use fewer entries).
+            table_bytes_per_slot=config.max_position_embeddings * TABLE_ENTRY_BYTES,
+            state_bytes_per_slot=state_bytes_per_slot,
+        )
+
+    @property
+    def bytes_per_slot(self) -> int:
+        """Fixed cost of one request slot, whatever the request's length."""
+        return self.table_bytes_per_slot + self.state_bytes_per_slot
+
+    def bytes_per_request(self, num_tokens: int) -> int:
+        """What one request of num_tokens tokens costs: its slot plus the KV of its tokens."""
+        return self.bytes_per_slot + num_tokens * self.kv_bytes_per_token
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    ledger: MemoryLedger
+    budget_bytes: int
+    page_size: int
+    num_pages: int
+    max_running_requests: int
+
+    @property
+    def num_tokens(self) -> int:
+        """KV pool capacity in tokens (all requests and the prefix cache together)."""
+        return self.num_pages * self.page_size
+
+    @property
+    def kv_bytes(self) -> int:
+        return self.num_tokens * self.ledger.kv_bytes_per_token
+
+    @property
+    def slot_bytes(self) -> int:
+        return self.max_running_requests * self.ledger.bytes_per_slot
+
+    @property
+    def used_bytes(self) -> int:
+        return self.kv_bytes + self.slot_bytes
+
+    def describe(self) -> str:
+        ledger = self.ledger
+        lines = [
+            f"budget            {_mib(self.budget_bytes)}",
+            f"KV per token      {ledger.kv_bytes_per_token:,} B",
+            f"per request slot  {ledger.bytes_per_slot:,} B (table row {ledger.table_bytes_per_slot:,} B"
+            f" + state {ledger.state_bytes_per_slot:,} B)",
+            f"request slots     {self.max_running_requests} = {_mib(self.slot_bytes)}",
+            f"KV pool           {self.num_pages:,} pages of {self.page_size} = {self.num_tokens:,} tokens"
+            f" = {_mib(self.kv_bytes)}",
+        ]
+        return "\n".join(lines)
+
+
+def plan_memory(
+    config: ModelConfig,
+    *,
+    budget_bytes: int,
+    page_size: int,
+    dtype: torch.dtype,
+    max_running_requests: int,
+    state_bytes_per_slot: int = 0,
+) -> MemoryPlan:
+    """Request slots first (as many as asked, or as many as fit beside one page), then KV pages with the rest."""
+    if budget_bytes <= 0 or page_size <= 0 or max_running_requests <= 0:
+        raise ValueError(
+            "plan_memory needs positive budget_bytes, page_size and max_running_requests, "
+            f"got {budget_bytes}, {page_size} and {max_running_requests}"
+        )
+    ledger = MemoryLedger.from_config(config, dtype, state_bytes_per_slot=state_bytes_per_slot)
+    page_bytes = page_size * ledger.kv_bytes_per_token
+    slots = min(max_running_requests, (budget_bytes - page_bytes) // ledger.bytes_per_slot)
+    if slots < 1:
+        raise MemoryPlanError(
+            f"a memory budget of {budget_bytes:,} B cannot hold one request slot ({ledger.bytes_per_slot:,} B) "
+            f"and one KV page ({page_bytes:,} B)"
+        )
+    num_pages = (budget_bytes - slots * ledger.bytes_per_slot) // page_bytes
+    return MemoryPlan(ledger, budget_bytes, page_size, num_pages, slots)
+
+
+def default_budget_bytes(
+    ledger: MemoryLedger, *, max_running_requests: int, max_context_len: int, device: torch.device
+) -> int:
+    """Enough for every slot to hold a full context, capped by what the device can spare."""
+    wanted = max_running_requests * ledger.bytes_per_request(max_context_len)
+    if device.type == "cuda":
+        free_bytes, _ = torch.cuda.mem_get_info(device)
+        return min(wanted, int(free_bytes * DEFAULT_DEVICE_MEMORY_FRACTION))
+    return min(wanted, DEFAULT_CPU_BUDGET_BYTES)
+
+
+def _mib(num_bytes: int) -> str:
+    return f"{num_bytes / 2**20:,.2f} MiB"

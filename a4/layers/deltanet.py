@@ -1,0 +1,196 @@
+# GENERATED from solutions/a4/layers/deltanet.py by `python -m a4.course sync`.
+# Students: edit this file. Course maintainers: edit solutions/a4/layers/deltanet.py instead
+# and run `python -m a4.course sync`.
+"""Exercises (notebook 04): the Gated DeltaNet (GDN) layer, Qwen3.5's linear-attention mixer.
+
+A GDN layer keeps, per request, a fixed-size state instead of a growing KV cache:
+- a conv state [conv_dim, K-1]: the last K-1 inputs of its causal depthwise convolution (K = conv kernel size);
+- a recurrent state S [Hv, dk, dv] in float32: one dk x dv matrix per value head, updated by the gated delta rule
+
+    S <- S * exp(g_t)                    forget a little (g_t <= 0)
+    delta_t = beta_t * (v_t - S^T k_t)   what S still gets wrong about the pair (k_t, v_t)
+    S <- S + k_t delta_t^T               correct it (beta_t in (0, 1) is the step size)
+    o_t = S^T q_t                        read
+
+Decode runs this recurrence, one token per request. Prefill runs the same rule in chunks: within a chunk the
+sequential corrections are folded into a few matrix products (the WY / UT transform), and only the state passes from
+chunk to chunk. Both agree with transformers' `torch_recurrent_gated_delta_rule` and `torch_chunk_gated_delta_rule`
+to float32 rounding.
+
+All functions take a flattened batch: the tokens of every request in one row, request i's tokens after those of
+request i-1, as in a4's ForwardBatch.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from a4.core import ForwardBatch
+from a4.models.config import ModelConfig
+
+
+def causal_conv1d_prefill(
+    x: torch.Tensor, weight: torch.Tensor, conv_states: torch.Tensor, seq_lens: list[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal depthwise conv1d, then silu, over a flattened batch of sequences, each with its own conv state.
+
+    x: [T, D] the pre-conv inputs of all sequences, sequence i's seq_lens[i] tokens after sequence i-1's.
+    weight: [D, 1, K], the `conv1d.weight` of the checkpoint (one length-K filter per channel, no bias).
+    conv_states: [B, D, K-1], each sequence's last K-1 inputs before x (zeros for a sequence that starts here).
+    Returns (y [T, D], new_conv_states [B, D, K-1]); the new state of a sequence is the last K-1 inputs of
+    `state + its tokens`, so a sequence shorter than K-1 keeps part of its old state.
+
+    Output t of a channel is silu(sum_j weight[j] * input[t - (K-1) + j]), the inputs before the sequence's first
+    token taken from its conv state. Everything in x's dtype, as transformers' causal_conv1d_fn computes it.
+    """
+    raise NotImplementedError("Exercise gdn-conv-prefill: causal depthwise conv1d + silu per sequence, from its conv state (notebooks/04_gated_deltanet.ipynb)")
+
+
+def causal_conv1d_decode(
+    x: torch.Tensor, weight: torch.Tensor, conv_states: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One new token for each of B sequences: x [B, D], conv_states [B, D, K-1], weight [D, 1, K].
+
+    Returns (y [B, D], new_conv_states [B, D, K-1]) with y = silu(conv over the K inputs `state + x`) and the new
+    state = the last K-1 of those inputs. Same arithmetic as `causal_conv1d_prefill` for a one-token sequence, batched
+    over the sequences; in x's dtype, as transformers' causal_conv1d_update.
+    """
+    raise NotImplementedError("Exercise gdn-conv-decode: one-token causal conv1d + silu for B sequences, new conv state (notebooks/04_gated_deltanet.ipynb)")
+
+
+def recurrent_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    initial_state: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gated delta rule, one token at a time, for B sequences of T tokens each (decode: T = 1).
+
+    q, k: [B, T, H, dk]; v: [B, T, H, dv]; g, beta: [B, T, H]; initial_state: [B, H, dk, dv]. All float32, one head
+    per value head (key heads already repeated), q already scaled by dk^-0.5, q and k already l2-normalised.
+    For each token t and head h, with S the head's [dk, dv] state:
+        S <- S * exp(g_t);  delta = beta_t * (v_t - S^T k_t);  S <- S + k_t delta^T;  o_t = S^T q_t
+    Returns (o [B, T, H, dv], final_state [B, H, dk, dv]); initial_state is not modified.
+    Matches transformers' torch_recurrent_gated_delta_rule (fed unscaled q) to float32 rounding.
+    """
+    raise NotImplementedError("Exercise gdn-recurrence: the gated delta rule, one token at a time (notebooks/04_gated_deltanet.ipynb)")
+
+
+class IntraChunk(NamedTuple):
+    """What `intra_chunk` computes for n chunks of C tokens (H heads): everything that does not need the state."""
+
+    u: torch.Tensor  # [n, H, C, dv]  delta of each token if the chunk's initial state were zero
+    w: torch.Tensor  # [n, H, C, dk]  delta = u - w @ S0 for the chunk's initial state S0
+    attn: torch.Tensor  # [n, H, C, C]  decayed causal scores: attn[i, j] = (q_i . k_j) exp(G_i - G_j) for j <= i
+    q_decayed: torch.Tensor  # [n, H, C, dk]  q_i exp(G_i): reads S0 as it has decayed by token i
+    k_decayed: torch.Tensor  # [n, H, C, dk]  k_j exp(G_last - G_j): writes delta_j as it will have decayed by the end
+    chunk_decay: torch.Tensor  # [n, H]  exp(G_last): how much S0 decays over the whole chunk
+
+
+def intra_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor) -> IntraChunk:
+    """The within-chunk half of the chunked gated delta rule (the WY / UT transform), for n chunks at once.
+
+    q, k: [n, H, C, dk]; v: [n, H, C, dv]; g, beta: [n, H, C]; float32, as for `recurrent_gated_delta_rule`.
+    Padding positions at the end of a chunk must have g = 0 and beta = 0 (they then change nothing).
+
+    Within a chunk, with G_i = g_0 + ... + g_i and S0 the state before the chunk, the recurrence unrolls to
+        delta_i = beta_i (v_i - exp(G_i) S0^T k_i - sum_{j<i} exp(G_i - G_j) (k_i . k_j) delta_j)
+    i.e. (I + A) delta = beta v - beta exp(G) k S0 with A[i, j] = beta_i exp(G_i - G_j) (k_i . k_j) for j < i,
+    a unit lower-triangular system. Solving it once per chunk gives delta = u - w S0 with
+        u = (I + A)^-1 (beta v),   w = (I + A)^-1 (beta exp(G) k).
+    Then o_i = exp(G_i) S0^T q_i + sum_{j<=i} attn[i, j] delta_j and the state after the chunk is
+    exp(G_last) S0 + sum_j exp(G_last - G_j) k_j delta_j^T. Returns the `IntraChunk` terms of these formulas.
+    """
+    raise NotImplementedError("Exercise gdn-intra-chunk: the WY/UT transform of every chunk, all chunks at once (notebooks/04_gated_deltanet.ipynb)")
+
+
+def chunk_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    initial_state: torch.Tensor,
+    chunk_size: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gated delta rule in chunks of `chunk_size` tokens, for a flattened batch of B sequences (prefill).
+
+    q, k: [T, H, dk]; v: [T, H, dv]; g, beta: [T, H]: float32, prepared as for `recurrent_gated_delta_rule`.
+    cu_seqlens: [B+1] int64, sequence i is tokens cu_seqlens[i] .. cu_seqlens[i+1]-1 (flash-linear-attention's
+    varlen convention); any lengths, not only multiples of chunk_size (16, 32 or 64).
+    initial_state: [B, H, dk, dv] float32, sequence i's state before its first token (not modified).
+    Returns (o [T, H, dv], final_state [B, H, dk, dv]): the same as running `recurrent_gated_delta_rule` on each
+    sequence alone, to float32 rounding.
+
+    Each sequence is cut into chunks of chunk_size tokens (its last chunk padded). `intra_chunk` does the
+    within-chunk work of many chunks in batched matrix products; only the state update from one chunk to the next is
+    sequential. Speed matters: on CPU this is >= 4x the recurrence and faster than transformers' chunked form, at
+    the same tokens/s for any sequence length.
+    """
+    raise NotImplementedError("Exercise gdn-chunked: the chunked gated delta rule over a varlen batch, state across chunks (notebooks/04_gated_deltanet.ipynb)")
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm over each value head's dv channels, then a silu gate from z (`linear_attn.norm` in the checkpoint)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """x, z: [..., dv] in the model dtype -> [..., dv] in the model dtype.
+
+        Normalise x in float32 (x * rsqrt(mean(x^2) + eps)), cast to x's dtype, multiply by weight, multiply by
+        silu(z.float()), cast back: the order of transformers' Qwen3_5RMSNormGated (norm first, then gate).
+        """
+        raise NotImplementedError("Exercise gdn-gated-norm: RMSNorm per value head, then the silu(z) gate (notebooks/04_gated_deltanet.ipynb)")
+
+
+class GatedDeltaNet(nn.Module):
+    """Qwen3.5's linear-attention layer (`linear_attn` in the checkpoint), over a4's flattened ForwardBatch."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.num_k_heads = config.linear_num_key_heads
+        self.num_v_heads = config.linear_num_value_heads
+        self.head_k_dim = config.linear_key_head_dim
+        self.head_v_dim = config.linear_value_head_dim
+        self.conv_kernel = config.linear_conv_kernel_dim
+        conv_dim = config.conv_dim
+        # Parameter names are the checkpoint's, so weights load without renaming.
+        self.in_proj_qkv = nn.Linear(config.hidden_size, conv_dim, bias=False)  # rows: all q | all k | all v
+        self.in_proj_z = nn.Linear(config.hidden_size, config.linear_value_dim, bias=False)
+        self.in_proj_b = nn.Linear(config.hidden_size, self.num_v_heads, bias=False)
+        self.in_proj_a = nn.Linear(config.hidden_size, self.num_v_heads, bias=False)
+        # Only its weight [conv_dim, 1, K] is used (by the conv functions above), never its forward.
+        self.conv1d = nn.Conv1d(conv_dim, conv_dim, self.conv_kernel, groups=conv_dim, bias=False)
+        self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
+        self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
+        self.norm = GatedRMSNorm(self.head_v_dim, config.rms_norm_eps)
+        self.out_proj = nn.Linear(config.linear_value_dim, config.hidden_size, bias=False)
+
+    def forward(
+        self, hidden: torch.Tensor, fb: ForwardBatch, conv_state: torch.Tensor, recurrent_state: torch.Tensor
+    ) -> torch.Tensor:
+        """hidden [T, hidden_size] (model dtype) -> [T, hidden_size], as transformers' Qwen3_5GatedDeltaNet.
+
+        conv_state [slots, conv_dim, K-1] (model dtype) and recurrent_state [slots, Hv, dk, dv] (float32) are this
+        layer's state pool tensors. Request i (fb.extend_lens[i] tokens) reads and then overwrites, in place, row
+        fb.req_slots[i] of both; a request with fb.prefix_lens[i] == 0 starts from zero states, whatever its row holds
+        (a reused slot still holds its previous request's states).
+
+        in_proj_qkv -> conv (`causal_conv1d_prefill`, or `causal_conv1d_decode` when fb.phase == "decode") -> split
+        into q [T, Hk, dk], k [T, Hk, dk], v [T, Hv, dv]. In float32: l2-normalise q and k (x * rsqrt(sum(x^2) +
+        1e-6)), q *= dk^-0.5, repeat each key head to Hv / Hk consecutive value heads; beta = sigmoid(b) and
+        g = -exp(A_log) * softplus(a + dt_bias). The delta rule runs chunked for prefill and as the recurrence for
+        decode; its output, cast to the model dtype, goes through the gated norm with z, then out_proj.
+        """
+        raise NotImplementedError("Exercise gdn-layer: the Gated DeltaNet layer over a ForwardBatch, states in place (notebooks/04_gated_deltanet.ipynb)")

@@ -1,0 +1,132 @@
+"""Qwen3.5: the hybrid model, written top to bottom like transformers' modeling_qwen3_5.py (its text model only).
+
+Each decoder layer mixes tokens either with a Gated DeltaNet (`linear_attn`: a fixed-size conv state and recurrent
+state per request) or with gated full attention (`self_attn`: a KV cache), as config.layer_types says; three of
+every four layers are Gated DeltaNet in the real checkpoints. Everything else is Qwen3's shape: pre-norm residual
+blocks, a gated MLP, a final norm and lm_head, except that every norm outside the GDN layers is zero-centred
+(scale 1 + w) and RoPE rotates only `config.rotary_dim` dims of each head.
+
+The engine's differences from transformers are a4's Qwen3's: a flat ForwardBatch in, logits only at
+fb.sample_indices out. The checkpoint is multimodal; `checkpoint_key_map` (the exercise of notebook 02) loads its
+language model and skips the vision encoder and the MTP module.
+
+Where each layer keeps its memory (`pool_layer_of`):
+- a full-attention layer: a layer of fb.kv_pool. The KV pool holds only the full-attention layers, so the j-th
+  full-attention layer of the model is KV pool layer j.
+- a GDN layer: its states in fb.state_pool, which needs only the two methods of `GDNStates` (notebook 05's
+  StatePool provides them). For the k-th GDN layer of the model:
+      conv_state(k)      -> [slots, conv_dim, linear_conv_kernel_dim - 1], model dtype
+      recurrent_state(k) -> [slots, linear_num_value_heads, linear_key_head_dim, linear_value_head_dim], float32
+  Row fb.req_slots[i] belongs to request i; the GDN layer reads it and updates it in place.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from a4.core import ForwardBatch
+from a4.layers.deltanet import GatedDeltaNet
+from a4.layers.gated_attention import GatedAttention, ZeroCenteredRMSNorm
+from a4.layers.mlp import GatedMLP
+from a4.layers.rope import RotaryEmbedding
+from a4.models.config import LINEAR_ATTENTION, ModelConfig
+
+
+class GDNStates(Protocol):
+    """What the model needs of fb.state_pool: each GDN layer's state tensors (views: writes go to the pool)."""
+
+    def conv_state(self, gdn_layer: int) -> torch.Tensor: ...
+
+    def recurrent_state(self, gdn_layer: int) -> torch.Tensor: ...
+
+
+def pool_layer_of(config: ModelConfig) -> dict[int, int]:
+    """Model layer -> its layer in the pool of its kind: the KV pool for full attention, the state pool for GDN.
+
+    Both pools hold only their own kind of layer, so each numbers its layers 0, 1, 2, ... in model order: with
+    layer_types [gdn, gdn, gdn, full, gdn, ...], model layer 3 is KV pool layer 0 and model layer 4 is state layer 3.
+    """
+    layers_of_kind = (config.full_attention_layers, config.linear_attention_layers)
+    return {layer: pool_layer for layers in layers_of_kind for pool_layer, layer in enumerate(layers)}
+
+
+class Qwen3_5DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_id: int, pool_layer: int) -> None:
+        super().__init__()
+        self.is_linear = config.layer_types[layer_id] == LINEAR_ATTENTION
+        self.pool_layer = pool_layer
+        self.input_layernorm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps)
+        # One of the two mixers, under the attribute name the checkpoint uses for it.
+        if self.is_linear:
+            self.linear_attn = GatedDeltaNet(config)
+        else:
+            self.self_attn = GatedAttention(config, pool_layer)
+        self.post_attention_layernorm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        h = self.input_layernorm(x)
+        if self.is_linear:
+            states: GDNStates = fb.state_pool
+            h = self.linear_attn(h, fb, states.conv_state(self.pool_layer), states.recurrent_state(self.pool_layer))
+        else:
+            h = self.self_attn(h, cos, sin, fb)
+        # The residual adds run in the model dtype, as in transformers.
+        x = x + h
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Qwen3_5TextModel(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        pool_layers = pool_layer_of(config)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            Qwen3_5DecoderLayer(config, i, pool_layers[i]) for i in range(config.num_hidden_layers)
+        )
+        self.norm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps)
+        # Partial RoPE: the tables cover only the rotary dims; the attention layers leave the other dims alone.
+        self.rotary_emb = RotaryEmbedding(config.rotary_dim, config.rope_theta, config.max_position_embeddings)
+
+    def forward(self, fb: ForwardBatch) -> torch.Tensor:
+        """Final hidden states [S, hidden] of the rows fb.sample_indices."""
+        if fb.state_pool is None and any(layer.is_linear for layer in self.layers):
+            raise ValueError("ForwardBatch.state_pool is None: Qwen3.5's Gated DeltaNet layers keep their states there")
+        x = self.embed_tokens(fb.input_ids)  # [T, hidden]
+        cos, sin = self.rotary_emb(fb.positions, x.dtype)  # once per forward, shared by the attention layers
+        for layer in self.layers:
+            x = layer(x, cos, sin, fb)
+        # The norm is per token, so normalising only the sampled rows gives the same values for less work.
+        return self.norm(x[fb.sample_indices])
+
+
+class Qwen3_5ForConditionalGeneration(nn.Module):
+    """The language model of a Qwen3.5 checkpoint (the class is named after the checkpoint's architecture)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = Qwen3_5TextModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            # One tensor under two names: the checkpoint stores it once, as the embedding.
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @staticmethod
+    def checkpoint_key_map(key: str) -> str | None:
+        """Checkpoint key -> parameter name, or None to skip (notebook 02's exercise; see a4.models.weights)."""
+        # Imported when called: importing the model must not need the exercise to be written.
+        from a4.models.qwen3_5_weights import checkpoint_key_map
+
+        return checkpoint_key_map(key)
+
+    def forward(self, fb: ForwardBatch) -> torch.Tensor:
+        """Logits [S, vocab] in float32 for the rows fb.sample_indices (S = len(fb.sample_indices)).
+
+        lm_head runs in the model dtype and its output is cast to float32, as transformers' `generate` does
+        before choosing a token.
+        """
+        return self.lm_head(self.model(fb)).float()

@@ -1,0 +1,72 @@
+"""From a checkpoint directory to a ready model: the architecture registry and `load_model`.
+
+The registry maps the `architectures` string of config.json to "module:Class". Model modules are imported only when
+asked for, so serving Qwen3 never imports the Qwen3.5 files (exercises that may not be written yet).
+"""
+
+from __future__ import annotations
+
+import importlib
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Callable, Iterator
+
+import torch
+from torch import nn
+
+from a4.models.config import ConfigError, ModelConfig, load_model_config
+from a4.models.weights import LoadReport, identity, load_weights
+
+MODEL_REGISTRY: dict[str, str] = {
+    "Qwen3ForCausalLM": "a4.models.qwen3:Qwen3ForCausalLM",
+    "Qwen3_5ForConditionalGeneration": "a4.models.qwen3_5:Qwen3_5ForConditionalGeneration",
+    "Qwen3_5MoeForConditionalGeneration": "a4.models.qwen3_5_moe:Qwen3_5MoeForConditionalGeneration",
+}
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def model_class(architecture: str) -> type[nn.Module]:
+    if architecture not in MODEL_REGISTRY:
+        raise ConfigError(f"no model class for architecture {architecture!r} (known: {sorted(MODEL_REGISTRY)})")
+    module_name, class_name = MODEL_REGISTRY[architecture].split(":")
+    return getattr(importlib.import_module(module_name), class_name)
+
+
+def resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r} (expected a torch.dtype or one of {sorted(DTYPES)})")
+    return DTYPES[dtype]
+
+
+@contextmanager
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """Create parameters directly in `dtype`: no float32 copy of a bfloat16 model, even for a moment."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def load_model(
+    model_dir: str | Path, *, dtype: torch.dtype | str, device: torch.device | str, progress: bool = True
+) -> tuple[ModelConfig, nn.Module, LoadReport]:
+    """Read config.json, build the registered model class on `device` in `dtype`, load its weights.
+
+    A model class may define `checkpoint_key_map(key) -> str | None` (a staticmethod) to rename or skip checkpoint
+    keys; without one, the keys are its parameter names. The model comes back in eval mode, without gradients.
+    """
+    dtype = resolve_dtype(dtype)
+    config = load_model_config(model_dir)
+    cls = model_class(config.architecture)
+    # The random initialisation is overwritten by the checkpoint; it costs a little time, not correctness.
+    with torch.device(device), default_dtype(dtype):
+        model = cls(config)
+    key_map: Callable[[str], str | None] = getattr(cls, "checkpoint_key_map", identity)
+    report = load_weights(model, model_dir, key_map=key_map, device=device, dtype=dtype, progress=progress)
+    model.eval().requires_grad_(False)
+    return config, model, report

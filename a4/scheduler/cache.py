@@ -1,0 +1,112 @@
+"""CacheManager: a request's KV memory from admission to release (pages, prefix cache, its row of the table).
+
+Memory of the KV pool is always in exactly one of three states:
+- free: on the allocator's free list;
+- in the prefix cache: owned by the radix tree; evictable while no running request has it locked;
+- owned by a running request: allocated for it and not (yet) in the tree.
+
+A request's row of `req_to_token` points at pages of the last two kinds. When its prefill writes new tokens they are
+inserted into the tree (so later requests can share them) and when it finishes whatever the tree cannot keep (a
+partial last page, or everything when the cache is disabled) goes back to the free list.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from a4.core import Req
+from a4.kvcache.allocator import PageAllocator
+from a4.kvcache.radix_cache import BasePrefixCache, CacheHandle, MatchResult
+from a4.scheduler.table import TableManager
+
+
+def pages_for(num_tokens: int, page_size: int) -> int:
+    return -(-num_tokens // page_size)
+
+
+class CacheManager:
+    def __init__(self, allocator: PageAllocator, prefix_cache: BasePrefixCache, table_manager: TableManager) -> None:
+        if allocator.page_size != prefix_cache.page_size:
+            raise ValueError(
+                f"allocator page_size {allocator.page_size} != prefix cache page_size {prefix_cache.page_size}"
+            )
+        self.allocator = allocator
+        self.prefix_cache = prefix_cache
+        self.table_manager = table_manager
+        self.page_size = allocator.page_size
+
+    @property
+    def available_pages(self) -> int:
+        """Pages a request could get now: the free ones plus those that unlocked cache entries can give back."""
+        return self.allocator.num_free_pages + self.prefix_cache.evictable_size // self.page_size
+
+    def match_req(self, req: Req) -> MatchResult:
+        # The last prompt token is never matched: the model must run on at least one token to produce the logits
+        # that the first output token is sampled from.
+        return self.prefix_cache.match_prefix(req.input_ids[: len(req.input_ids) - 1])
+
+    def lock(self, handle: CacheHandle) -> None:
+        self.prefix_cache.lock(handle)
+
+    def unlock(self, handle: CacheHandle) -> None:
+        self.prefix_cache.unlock(handle)
+
+    def pages_to_finish(self, req: Req, cached_len: int) -> int:
+        """Pages the request still needs, from cached_len tokens in the pool to its longest possible length.
+
+        The last token a request samples is never fed back, so its KV is never written: at most
+        len(input_ids) + max_new_tokens - 1 positions are stored.
+        """
+        max_stored = len(req.input_ids) + req.sampling_params.max_new_tokens - 1
+        return pages_for(max_stored, self.page_size) - pages_for(cached_len, self.page_size)
+
+    def allocate(self, reqs: Sequence[Req], extend_lens: Sequence[int]) -> None:
+        """Give the positions that this step writes (cached_len .. cached_len + extend_len - 1) KV locations.
+
+        Pages are allocated whole and recorded in the table whole, so the tokens that follow in the same page
+        already have their locations. Unlocked cache entries are evicted when the free list runs short.
+        """
+        for req, extend_len in zip(reqs, extend_lens):
+            first_page = pages_for(req.cached_len, self.page_size)
+            last_page = pages_for(req.cached_len + extend_len, self.page_size)
+            if last_page > first_page:
+                pages = self._allocate_pages(last_page - first_page)
+                self.table_manager.write(
+                    req.table_idx, first_page * self.page_size, self.allocator.pages_to_locations(pages)
+                )
+
+    def cache_req(self, req: Req, *, finished: bool) -> None:
+        """Hand the request's KV positions [0, cached_len) over to the prefix cache.
+
+        Row positions (old = the handle's length, new = the inserted page-aligned length, stored = req.cached_len):
+          [0, old)            already the tree's, locked by this request since admission (or the last insert);
+          [old, prefix_len)   the tree learned these tokens from another request meanwhile: ours are duplicates,
+                              freed, and the row is pointed at the tree's copy;
+          [prefix_len, new)   newly inserted: the tree owns these pages from now on;
+          [new, stored)       a partial last page the tree cannot hold (or everything, with the cache off):
+                              still ours, freed when the request finishes.
+        """
+        table_idx, stored = req.table_idx, req.cached_len
+        old_handle = req.cache_handle
+        row = self.table_manager.read(table_idx, 0, stored)
+        result = self.prefix_cache.insert_prefix(req.all_ids[:stored], row)
+        duplicates = slice(old_handle.cached_len, result.prefix_len)
+        self.allocator.free_locations(row[duplicates])
+        self.table_manager.write(table_idx, old_handle.cached_len, result.locations[duplicates])
+        if finished:
+            self.unlock(old_handle)
+            self.allocator.free_locations(row[result.handle.cached_len :])
+            req.cache_handle = None
+        else:
+            # Lock the new path before unlocking the old one, so the shared part is never evictable in between.
+            self.lock(result.handle)
+            self.unlock(old_handle)
+            req.cache_handle = result.handle
+
+    def _allocate_pages(self, num_pages: int) -> torch.Tensor:
+        shortfall = num_pages - self.allocator.num_free_pages
+        if shortfall > 0:
+            self.allocator.free_locations(self.prefix_cache.evict(shortfall * self.page_size))
+        return self.allocator.allocate(num_pages)

@@ -1,0 +1,108 @@
+"""Prefill scheduling: which waiting requests enter the next step, and how many of their tokens.
+
+`PrefillManager` keeps the queue of requests whose prompt is not fully prefilled; `PrefillAdder` fills one step
+from it under a token budget (`max_prefill_tokens`), as in mini-sglang:
+
+- Requests are taken in arrival order. The first one that cannot be admitted (no free slot, not enough memory)
+  stops the step: letting later, smaller requests overtake it could starve it forever.
+- A request whose remaining prompt exceeds the budget left gets only a chunk. It keeps its slot and its pages, is
+  not sampled (its last prompt token has not been seen yet), and goes back to the front of the queue so that it
+  resumes first in the next prefill step. Only the last request of a step can be cut, so at most one is in flight.
+
+Admission policy (why decode never runs out of memory): a request is admitted only if the memory that can be made
+available (free pages + evictable cache pages) covers its worst case, prompt + max_new_tokens, on top of the worst
+case still outstanding for every request already admitted. Pages are then allocated step by step, evicting unlocked
+cache entries when the free list runs short, and the reservation guarantees that this always succeeds: a running
+request never has to be preempted. The price is admitting fewer requests when max_new_tokens is much larger than
+what requests really generate; SGLang instead over-admits and retracts requests when decode runs out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from a4.core import Batch, Req
+from a4.scheduler.cache import CacheManager
+from a4.scheduler.table import TableManager
+
+
+@dataclass
+class PrefillAdder:
+    """Builds one prefill batch under a token budget and a memory reservation."""
+
+    token_budget: int
+    # Pages already promised to admitted requests (their worst case minus what they hold).
+    reserved_pages: int
+    cache_manager: CacheManager
+    table_manager: TableManager
+    reqs: list[Req] = field(default_factory=list)
+    extend_lens: list[int] = field(default_factory=list)
+
+    def try_add(self, req: Req) -> bool:
+        """Add req (or a chunk of it) to the step; False when the budget or the memory says stop."""
+        if self.token_budget == 0:
+            return False
+        admitted = req.table_idx >= 0
+        if not admitted and not self._admit(req):
+            return False
+        extend_len = min(self.token_budget, req.extend_len)
+        self.token_budget -= extend_len
+        self.reqs.append(req)
+        self.extend_lens.append(extend_len)
+        return True
+
+    def _admit(self, req: Req) -> bool:
+        """Give req a slot and its cached prefix if its worst case fits; otherwise leave everything as it was."""
+        if self.table_manager.available_size == 0:
+            return False
+        match = self.cache_manager.match_req(req)
+        # Lock before counting: the matched pages may be evictable now, and must not count as available to req.
+        self.cache_manager.lock(match.handle)
+        needed = self.cache_manager.pages_to_finish(req, match.handle.cached_len)
+        if needed + self.reserved_pages > self.cache_manager.available_pages:
+            self.cache_manager.unlock(match.handle)
+            return False
+        self.reserved_pages += needed
+        req.table_idx = self.table_manager.allocate()
+        req.cached_len = req.prefix_hit_len = match.handle.cached_len
+        req.cache_handle = match.handle
+        self.table_manager.write(req.table_idx, 0, match.locations)
+        return True
+
+    def batch(self) -> Batch:
+        # Only a request that gets all of its remaining prompt tokens produces a token this step.
+        sample = [n == req.extend_len for req, n in zip(self.reqs, self.extend_lens)]
+        return Batch(reqs=self.reqs, phase="prefill", extend_lens=self.extend_lens, sample=sample)
+
+
+@dataclass
+class PrefillManager:
+    cache_manager: CacheManager
+    table_manager: TableManager
+    # Waiting requests, in arrival order; a chunked request (already admitted) is always first.
+    pending: list[Req] = field(default_factory=list)
+
+    def add_req(self, req: Req) -> None:
+        self.pending.append(req)
+
+    @property
+    def reserved_pages(self) -> int:
+        """Pages still promised to the admitted (chunked) requests of the queue."""
+        admitted = [req for req in self.pending if req.table_idx >= 0]
+        return sum(self.cache_manager.pages_to_finish(req, req.cached_len) for req in admitted)
+
+    def schedule_next_batch(self, token_budget: int, reserved_pages: int) -> Batch | None:
+        adder = PrefillAdder(token_budget, reserved_pages, self.cache_manager, self.table_manager)
+        for req in self.pending:
+            if not adder.try_add(req):
+                break
+        if not adder.reqs:
+            return None
+        batch = adder.batch()
+        chunked = [req for req, sampled in zip(batch.reqs, batch.sample) if not sampled]
+        self.pending = chunked + self.pending[len(batch.reqs) :]
+        return batch
+
+    @property
+    def runnable(self) -> bool:
+        return bool(self.pending)

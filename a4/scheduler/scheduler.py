@@ -1,0 +1,97 @@
+"""Scheduler: continuous batching. Every step it picks a batch, and after the forward it books the results.
+
+Policy (mini-sglang's): prefill first. If any waiting request can make progress, the step is a prefill step (new
+requests and chunks of long prompts, under the `max_prefill_tokens` budget); otherwise it is a decode step over all
+running requests. A step is never mixed. Requests join as soon as a slot and memory allow and leave as soon as they
+finish, so the batch changes from step to step (continuous batching). Admission and chunking rules are in
+prefill.py, the memory states in cache.py.
+
+A request finishes at an end-of-sequence token (unless `ignore_eos`) or after `max_new_tokens`; its slot is freed and
+its KV goes to the prefix cache.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from a4.core import Batch, Req
+from a4.scheduler.cache import CacheManager
+from a4.scheduler.decode import DecodeManager
+from a4.scheduler.prefill import PrefillManager
+from a4.scheduler.table import TableManager
+
+
+class Scheduler:
+    def __init__(
+        self,
+        table_manager: TableManager,
+        cache_manager: CacheManager,
+        *,
+        max_prefill_tokens: int,
+        eos_token_ids: Sequence[int],
+    ) -> None:
+        if max_prefill_tokens <= 0:
+            raise ValueError(f"max_prefill_tokens must be positive, got {max_prefill_tokens}")
+        self.table_manager = table_manager
+        self.cache_manager = cache_manager
+        self.max_prefill_tokens = max_prefill_tokens
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.prefill_manager = PrefillManager(cache_manager, table_manager)
+        self.decode_manager = DecodeManager(cache_manager)
+
+    def add_req(self, req: Req) -> None:
+        """Queue a validated request (see Engine.add_request) for prefill."""
+        self.prefill_manager.add_req(req)
+
+    @property
+    def has_unfinished_reqs(self) -> bool:
+        return self.prefill_manager.runnable or self.decode_manager.runnable
+
+    def schedule_next_batch(self) -> Batch | None:
+        """The next step's batch, with KV locations allocated for all the tokens it writes; None if nothing can run."""
+        reserved_pages = self.decode_manager.reserved_pages + self.prefill_manager.reserved_pages
+        batch = (
+            self.prefill_manager.schedule_next_batch(self.max_prefill_tokens, reserved_pages)
+            or self.decode_manager.schedule_next_batch()
+        )
+        if batch is not None:
+            self.cache_manager.allocate(batch.reqs, batch.extend_lens)
+        return batch
+
+    def process_batch_output(self, batch: Batch, next_tokens: Sequence[int | None]) -> list[Req]:
+        """Book a finished forward: tokens now in the pool, sampled tokens (None where not sampled), finishes.
+
+        Returns the requests that finished in this step.
+        """
+        finished = []
+        for req, extend_len, token in zip(batch.reqs, batch.extend_lens, next_tokens):
+            req.cached_len += extend_len
+            if token is not None:
+                req.output_ids.append(token)
+                req.finish_reason = self._finish_reason(req, token)
+            if req.finish_reason is not None:
+                self._release(req, batch)
+                finished.append(req)
+                continue
+            if batch.phase == "prefill":
+                # Share what this step wrote at once: a later request with the same prefix (even one arriving
+                # while this prompt is still being chunked) skips it.
+                self.cache_manager.cache_req(req, finished=False)
+                if token is not None:
+                    self.decode_manager.add_req(req)
+        return finished
+
+    def _finish_reason(self, req: Req, token: int) -> str | None:
+        if token in self.eos_token_ids and not req.sampling_params.ignore_eos:
+            return "eos"
+        if len(req.output_ids) >= req.sampling_params.max_new_tokens:
+            return "length"
+        return None
+
+    def _release(self, req: Req, batch: Batch) -> None:
+        req.finished = True
+        if batch.phase == "decode":
+            self.decode_manager.remove_req(req)
+        self.cache_manager.cache_req(req, finished=True)
+        self.table_manager.free(req.table_idx)
+        req.table_idx = -1

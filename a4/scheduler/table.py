@@ -1,0 +1,58 @@
+"""TableManager: the request slots, rows of the `req_to_token` table.
+
+A running request owns one row (its `table_idx`). Entry [row, pos] is the KV pool location of the request's token at
+position pos, so attention finds all of a request's keys by reading its row. Rows are handed out when a request is
+admitted and returned when it finishes, then reused by the next request: the number of rows bounds how many
+requests run at once (`max_running_requests`).
+
+The table lives on the model's device because attention reads it in every layer; which rows are free is host
+bookkeeping. A hybrid model keeps its per-request state (StatePool) at the same row index, as SGLang's
+HybridReqToTokenPool does, so a slot here is a slot there too.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class TableManager:
+    def __init__(self, max_running_requests: int, max_context_len: int, device: torch.device | str) -> None:
+        if max_running_requests <= 0 or max_context_len <= 0:
+            raise ValueError(
+                "TableManager needs max_running_requests > 0 and max_context_len > 0, "
+                f"got {max_running_requests} and {max_context_len}"
+            )
+        self.req_to_token = torch.zeros((max_running_requests, max_context_len), dtype=torch.int64, device=device)
+        # Popped from the end: row 0 first, and a freed row is the next one reused.
+        self._free_slots = list(range(max_running_requests - 1, -1, -1))
+
+    @property
+    def max_running_requests(self) -> int:
+        return self.req_to_token.shape[0]
+
+    @property
+    def max_context_len(self) -> int:
+        return self.req_to_token.shape[1]
+
+    @property
+    def available_size(self) -> int:
+        """Free request slots."""
+        return len(self._free_slots)
+
+    def allocate(self) -> int:
+        if not self._free_slots:
+            raise RuntimeError("no free request slot: check available_size before allocating")
+        return self._free_slots.pop()
+
+    def free(self, table_idx: int) -> None:
+        if table_idx in self._free_slots or not 0 <= table_idx < self.max_running_requests:
+            raise RuntimeError(f"request slot {table_idx} is not in use")
+        self._free_slots.append(table_idx)
+
+    def write(self, table_idx: int, start: int, locations: torch.Tensor) -> None:
+        """Record that positions start .. start + len(locations) - 1 of the request live at `locations`."""
+        self.req_to_token[table_idx, start : start + len(locations)] = locations.to(self.req_to_token.device)
+
+    def read(self, table_idx: int, start: int, end: int) -> torch.Tensor:
+        """Host copy of the locations of positions start .. end - 1."""
+        return self.req_to_token[table_idx, start:end].cpu()

@@ -1,0 +1,183 @@
+"""Exercises (notebook 05): the StatePool, where the Gated DeltaNet layers keep each request's state.
+
+A full-attention layer stores K and V for every token (the KV pool). A Gated DeltaNet (GDN) layer folds everything a
+request has seen into a state of fixed size: the last K-1 inputs of its causal conv, and one dk x dv matrix per value
+head. The StatePool holds that state for every request slot, beside the KV pool and indexed by the same slot as the
+request's row of `req_to_token` (`Req.table_idx`, `ForwardBatch.req_slots`), like SGLang's MambaPool inside its
+HybridReqToTokenPool. One buffer per kind of state, layer first, as KVPool keeps one buffer for all its layers:
+
+    conv states       [num_gdn_layers, num_slots, conv_dim, K-1]   model dtype
+    recurrent states  [num_gdn_layers, num_slots, Hv, dk, dv]       float32 (the checkpoints' mamba_ssm_dtype)
+
+The model asks for the k-th GDN layer's part (`conv_state(k)`, `recurrent_state(k)`: the `GDNStates` protocol of
+a4.models.qwen3_5) and reads and updates rows of it in place. A request's state needs no other bookkeeping: chunked
+prefill carries it from chunk to chunk because the request keeps its slot, and decode updates it where it is.
+
+Unlike KV, a state cannot be cut at a position or shared page by page: it describes everything up to the last token
+fed, and only as a whole. So the only operations on it are whole-slot ones: `clear`, and `save` (a copy,
+`StateCheckpoint`) and `restore`, which a prefix cache of a hybrid model stores and hands back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from a4.models.config import ModelConfig
+
+# The recurrent state is a long running sum of decayed updates: the checkpoints ask for float32
+# (mamba_ssm_dtype), whatever the model dtype, and transformers keeps it in float32 too.
+RECURRENT_DTYPE = torch.float32
+
+
+@dataclass(frozen=True)
+class StateCheckpoint:
+    """A copy of one slot's whole state: every GDN layer's conv and recurrent state, as they were when saved.
+
+    Independent of the pool: later writes to the slot do not change it, and it can be restored into any slot.
+    """
+
+    conv: torch.Tensor  # [num_gdn_layers, conv_dim, K-1], model dtype
+    recurrent: torch.Tensor  # [num_gdn_layers, Hv, dk, dv], float32
+
+    @property
+    def nbytes(self) -> int:
+        """Memory the checkpoint holds (equal to StatePool.bytes_per_slot of its model and dtype)."""
+        return self.conv.nbytes + self.recurrent.nbytes
+
+
+class StatePool:
+    def __init__(self, config: ModelConfig, num_slots: int, dtype: torch.dtype, device: torch.device | str) -> None:
+        """Zero-filled conv and recurrent states for `num_slots` request slots of every GDN layer of `config`.
+
+        Creates exactly two tensors, both on `device` (see the module docstring for the layout):
+            self._conv       [num_gdn_layers, num_slots, conv_dim, linear_conv_kernel_dim - 1], dtype `dtype`
+            self._recurrent  [num_gdn_layers, num_slots, linear_num_value_heads, linear_key_head_dim,
+                              linear_value_head_dim], dtype RECURRENT_DTYPE (float32)
+        num_gdn_layers = len(config.linear_attention_layers); config.conv_dim gives conv_dim. Layer first, so that
+        each layer's part is one contiguous block (`conv_state(k)` is `self._conv[k]`, a view).
+        """
+        if not config.is_hybrid:
+            raise ValueError(f"{config.architecture} has no Gated DeltaNet layers: it needs no StatePool")
+        if not isinstance(num_slots, int) or num_slots <= 0:
+            raise ValueError(f"StatePool: num_slots must be a positive integer, got {num_slots!r}")
+        # BEGIN SOLUTION state-pool-alloc 05_state_pool: allocate the conv and recurrent states of every slot and GDN layer
+        num_layers = len(config.linear_attention_layers)
+        self._conv = torch.zeros(
+            (num_layers, num_slots, config.conv_dim, config.linear_conv_kernel_dim - 1), dtype=dtype, device=device
+        )
+        self._recurrent = torch.zeros(
+            (
+                num_layers,
+                num_slots,
+                config.linear_num_value_heads,
+                config.linear_key_head_dim,
+                config.linear_value_head_dim,
+            ),
+            dtype=RECURRENT_DTYPE,
+            device=device,
+        )
+        # END SOLUTION
+
+    @staticmethod
+    def bytes_per_slot(config: ModelConfig, dtype: torch.dtype) -> int:
+        """Bytes of one slot's state over all GDN layers, for a model run in `dtype`, without allocating anything.
+
+        Per GDN layer: the conv state, conv_dim x (K-1) values in `dtype`, plus the recurrent state,
+        Hv x dk x dv values in float32. The memory plan charges this to every request slot.
+        """
+        # BEGIN SOLUTION state-bytes-per-slot 05_state_pool: the state bytes of one request slot, from the config alone
+        conv = config.conv_dim * (config.linear_conv_kernel_dim - 1) * dtype.itemsize
+        recurrent = (
+            config.linear_num_value_heads
+            * config.linear_key_head_dim
+            * config.linear_value_head_dim
+            * RECURRENT_DTYPE.itemsize
+        )
+        return len(config.linear_attention_layers) * (conv + recurrent)
+        # END SOLUTION
+
+    @property
+    def num_layers(self) -> int:
+        """GDN layers (the pool's layer k is the model's k-th GDN layer)."""
+        return self._conv.shape[0]
+
+    @property
+    def num_slots(self) -> int:
+        return self._conv.shape[1]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The conv states' dtype (the model's); recurrent states are always float32."""
+        return self._conv.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self._conv.device
+
+    @property
+    def total_bytes(self) -> int:
+        return self._conv.nbytes + self._recurrent.nbytes
+
+    def conv_state(self, gdn_layer: int) -> torch.Tensor:
+        """The k-th GDN layer's conv states, [num_slots, conv_dim, K-1] (a view: writes go to the pool)."""
+        return self._conv[self._layer(gdn_layer)]
+
+    def recurrent_state(self, gdn_layer: int) -> torch.Tensor:
+        """The k-th GDN layer's recurrent states, [num_slots, Hv, dk, dv] float32 (a view: writes go to the pool)."""
+        return self._recurrent[self._layer(gdn_layer)]
+
+    def clear(self, slots: Sequence[int]) -> None:
+        """Zero the whole state (every GDN layer, both kinds) of the given slots; other slots are not touched."""
+        index = self._slot_index(slots)
+        self._conv[:, index] = 0
+        self._recurrent[:, index] = 0
+
+    def save(self, slot: int) -> StateCheckpoint:
+        """A copy of the slot's whole state: every GDN layer's conv and recurrent state (see StateCheckpoint).
+
+        The copy stays on the pool's device and keeps the pool's dtypes; the slot itself is not changed.
+        """
+        self._slot_index([slot])
+        # BEGIN SOLUTION state-save 05_state_pool: copy one slot's whole state out of the pool
+        return StateCheckpoint(conv=self._conv[:, slot].clone(), recurrent=self._recurrent[:, slot].clone())
+        # END SOLUTION
+
+    def restore(self, checkpoint: StateCheckpoint, slot: int) -> None:
+        """Overwrite the slot's whole state with a checkpoint's (the checkpoint is not changed, and can be reused).
+
+        After it, the slot holds exactly the state `save` copied: a request continuing from this slot computes what
+        the saved request would have computed next.
+        """
+        self._slot_index([slot])
+        self._check_compatible(checkpoint)
+        # BEGIN SOLUTION state-restore 05_state_pool: copy a checkpoint into a slot
+        self._conv[:, slot] = checkpoint.conv
+        self._recurrent[:, slot] = checkpoint.recurrent
+        # END SOLUTION
+
+    def _layer(self, gdn_layer: int) -> int:
+        if not 0 <= gdn_layer < self.num_layers:
+            raise IndexError(f"StatePool has {self.num_layers} GDN layers; GDN layer {gdn_layer} does not exist")
+        return gdn_layer
+
+    def _slot_index(self, slots: Sequence[int]) -> torch.Tensor:
+        """The slots as an index tensor on the pool's device, after checking that each one exists."""
+        bad = [slot for slot in slots if not 0 <= slot < self.num_slots]
+        if bad:
+            raise IndexError(f"StatePool has {self.num_slots} slots; slot(s) {bad} do not exist")
+        return torch.as_tensor(list(slots), dtype=torch.int64, device=self.device)
+
+    def _check_compatible(self, checkpoint: StateCheckpoint) -> None:
+        """A checkpoint of another model or dtype would be copied in silently (or broadcast): refuse it."""
+        for name, saved, pool in (
+            ("conv", checkpoint.conv, self._conv[:, 0]),
+            ("recurrent", checkpoint.recurrent, self._recurrent[:, 0]),
+        ):
+            if saved.shape != pool.shape or saved.dtype != pool.dtype:
+                raise ValueError(
+                    f"StateCheckpoint {name} state is {tuple(saved.shape)} {saved.dtype}, but this pool's slots hold "
+                    f"{tuple(pool.shape)} {pool.dtype}: it was saved from another model or dtype"
+                )

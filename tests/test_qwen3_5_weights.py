@@ -1,0 +1,116 @@
+"""Loading a multimodal Qwen3.5 checkpoint into a4's text-only model, against transformers' loading of it.
+
+transformers' Qwen3_5ForConditionalGeneration loads the same directory; every tensor a4 loads must equal the one
+transformers holds under the checkpoint's name. The vision encoder and the MTP module must be skipped, and never
+read; a broken checkpoint (a tensor missing, one too many, one of the wrong shape) must fail naming the tensor.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+import a4.models.weights
+from a4.checkpoints import tiny_checkpoint
+from a4.course.checks.weights import SKIPPED_GROUPS, check_weight_errors, key_group, transformers_name
+from a4.models.registry import load_model
+from a4.reference import cached_hf_model
+
+
+@pytest.fixture(scope="module", params=["tied", "untied"])
+def checkpoint(request) -> Path:
+    return tiny_checkpoint("qwen3_5", tie_word_embeddings=request.param == "tied")
+
+
+@functools.cache
+def loaded(checkpoint: Path):
+    """(a4 model, LoadReport), float32 on CPU."""
+    _, model, report = load_model(checkpoint, dtype=torch.float32, device="cpu", progress=False)
+    return model, report
+
+
+def checkpoint_keys(checkpoint: Path) -> set[str]:
+    return set(json.loads((checkpoint / "model.safetensors.index.json").read_text())["weight_map"])
+
+
+def test_loaded_parameters_equal_transformers(checkpoint):
+    model, _ = loaded(checkpoint)
+    hf_params = dict(cached_hf_model(checkpoint, "float32").named_parameters(remove_duplicate=False))
+    ours = dict(model.named_parameters(remove_duplicate=False))
+    # Every text-model parameter of transformers exists in a4, and nothing else does.
+    hf_text = {name for name in hf_params if name.startswith("model.language_model.") or name == "lm_head.weight"}
+    assert {transformers_name(name) for name in ours} == hf_text
+    different = [name for name, param in ours.items() if not torch.equal(param, hf_params[transformers_name(name)])]
+    assert not different, f"{len(different)} parameters differ from transformers', e.g. {different[:3]}"
+
+
+def test_embeddings_tied_exactly_when_the_config_says(checkpoint):
+    model, _ = loaded(checkpoint)
+    hf = cached_hf_model(checkpoint, "float32")
+    tied_in_hf = hf.lm_head.weight.data_ptr() == hf.model.language_model.embed_tokens.weight.data_ptr()
+    assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied_in_hf
+    assert ("lm_head.weight" in checkpoint_keys(checkpoint)) == (not tied_in_hf)
+
+
+def test_skipped_keys_are_exactly_vision_and_mtp(checkpoint):
+    _, report = loaded(checkpoint)
+    keys = checkpoint_keys(checkpoint)
+    expected_skipped = {key for key in keys if key_group(key) in SKIPPED_GROUPS}
+    assert {key_group(key) for key in expected_skipped} == set(SKIPPED_GROUPS)
+    assert set(report.skipped_keys) == expected_skipped
+    assert set(report.loaded_keys) == keys - expected_skipped
+
+
+def test_skipped_tensors_are_never_read(checkpoint, monkeypatch):
+    read: list[str] = []
+
+    class SpyingSlice:
+        """A lazy tensor of safe_open: its header is free to look at, indexing it reads the data."""
+
+        def __init__(self, lazy, key: str) -> None:
+            self._lazy, self._key = lazy, key
+
+        def __getitem__(self, index):
+            read.append(self._key)
+            return self._lazy[index]
+
+        def __getattr__(self, name: str):
+            return getattr(self._lazy, name)
+
+    class SpyingFile:
+        """safe_open's file object, recording the keys whose data is read."""
+
+        def __init__(self, *args, **kwargs) -> None:
+            self._file = safe_open(*args, **kwargs)
+
+        def __enter__(self):
+            self._file.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self._file.__exit__(*exc)
+
+        def get_tensor(self, key: str) -> torch.Tensor:
+            read.append(key)
+            return self._file.get_tensor(key)
+
+        def get_slice(self, key: str) -> SpyingSlice:
+            return SpyingSlice(self._file.get_slice(key), key)
+
+        def __getattr__(self, name: str):
+            return getattr(self._file, name)
+
+    monkeypatch.setattr(a4.models.weights, "safe_open", SpyingFile)
+    load_model(checkpoint, dtype=torch.float32, device="cpu", progress=False)
+    keys = checkpoint_keys(checkpoint)
+    assert set(read) == {key for key in keys if key_group(key) not in SKIPPED_GROUPS}
+
+
+def test_broken_checkpoints_raise_naming_the_tensor():
+    # A missing, a mis-shaped, and two unexpected tensors (one inside the language model, one in no known group).
+    check_weight_errors(tiny_checkpoint("qwen3_5"))

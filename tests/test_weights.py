@@ -1,0 +1,188 @@
+"""Weight loading: a4 loads exactly what transformers loads, and every kind of misfit is reported by name.
+
+Broken checkpoints are copies of the tiny one rewritten with safetensors (one file, no index: that layout is
+covered too).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+import a4.models.weights as weights
+from a4.checkpoints import tiny_checkpoint
+from a4.models.config import ConfigError, load_model_config
+from a4.models.qwen3 import Qwen3ForCausalLM
+from a4.models.registry import load_model
+from a4.models.weights import WeightLoadError, load_weights
+from a4.reference import load_hf_model
+
+
+@pytest.fixture(scope="module")
+def checkpoint() -> Path:
+    return tiny_checkpoint("qwen3")
+
+
+def read_all(model_dir: Path) -> dict[str, torch.Tensor]:
+    index = json.loads((model_dir / "model.safetensors.index.json").read_text())
+    tensors = {}
+    for file in set(index["weight_map"].values()):
+        with safe_open(model_dir / file, framework="pt") as f:
+            tensors |= {key: f.get_tensor(key) for key in f.keys()}
+    return tensors
+
+
+def rewritten(source: Path, target: Path, tensors: dict[str, torch.Tensor], **config_changes) -> Path:
+    """A copy of `source` whose weights are `tensors`, in one model.safetensors."""
+    target.mkdir()
+    config = json.loads((source / "config.json").read_text()) | config_changes
+    (target / "config.json").write_text(json.dumps(config))
+    shutil.copy(source / "generation_config.json", target)
+    save_file(tensors, target / "model.safetensors")
+    return target
+
+
+def fresh_model(model_dir: Path) -> Qwen3ForCausalLM:
+    return Qwen3ForCausalLM(load_model_config(model_dir))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_loaded_parameters_equal_transformers(checkpoint, dtype):
+    config, model, report = load_model(checkpoint, dtype=dtype, device="cpu", progress=False)
+    reference = load_hf_model(checkpoint, dtype).state_dict()
+    ours = dict(model.named_parameters())
+    assert sorted(ours) == sorted(key for key in reference if key != "lm_head.weight" or not config.tie_word_embeddings)
+    for name, param in ours.items():
+        assert param.dtype == getattr(torch, dtype) and not param.requires_grad
+        assert torch.equal(param, reference[name]), name
+    assert sorted(report.loaded_keys) == sorted(ours) and report.skipped_keys == []
+    assert report.loaded_bytes == sum(t.numel() * t.element_size() for t in read_all(checkpoint).values())
+    assert not model.training
+
+
+def test_missing_unexpected_and_misshaped_are_all_reported(checkpoint, tmp_path):
+    tensors = read_all(checkpoint)
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    tensors["model.layers.0.self_attn.bogus.weight"] = torch.zeros(3, 4)
+    tensors["model.layers.2.self_attn.k_norm.weight"] = torch.ones(7)
+    broken = rewritten(checkpoint, tmp_path / "broken", tensors)
+    model = fresh_model(broken)
+    with pytest.raises(WeightLoadError) as err:
+        load_weights(model, broken, device="cpu", dtype=torch.float32, progress=False)
+    message = str(err.value)
+    assert "missing: model.layers.1.mlp.up_proj.weight" in message
+    assert "unexpected: model.layers.0.self_attn.bogus.weight (3, 4)" in message
+    head_dim = model.config.head_dim
+    assert f"wrong shape: model.layers.2.self_attn.k_norm.weight is (7,) in the checkpoint, ({head_dim},)" in message
+    assert message.count("\n") == 3  # one error, exactly these three problems
+
+
+@pytest.mark.parametrize("problem", ["missing", "unexpected", "misshaped"])
+def test_each_misfit_alone_raises(checkpoint, tmp_path, problem):
+    tensors = read_all(checkpoint)
+    key = "model.norm.weight"
+    if problem == "missing":
+        del tensors[key]
+    elif problem == "unexpected":
+        key = "model.extra.weight"
+        tensors[key] = torch.zeros(2)
+    else:
+        tensors[key] = torch.ones(3)
+    broken = rewritten(checkpoint, tmp_path / problem, tensors)
+    with pytest.raises(WeightLoadError, match=key.replace(".", r"\.")):
+        load_weights(fresh_model(broken), broken, device="cpu", dtype=torch.float32, progress=False)
+
+
+class GetTensorSpy:
+    """Wraps safetensors' safe_open and records every tensor whose data is read."""
+
+    def __init__(self) -> None:
+        self.read: list[str] = []
+
+    def __call__(self, *args, **kwargs):
+        spy = self
+
+        class Handle:
+            def __init__(self) -> None:
+                self.handle = safe_open(*args, **kwargs)
+
+            def __enter__(self):
+                self.handle.__enter__()
+                return self
+
+            def __exit__(self, *exc):
+                return self.handle.__exit__(*exc)
+
+            def get_tensor(self, key: str) -> torch.Tensor:
+                spy.read.append(key)
+                return self.handle.get_tensor(key)
+
+            def __getattr__(self, name: str):
+                return getattr(self.handle, name)
+
+        return Handle()
+
+
+def test_keys_mapped_to_none_are_skipped_without_being_read(checkpoint, tmp_path, monkeypatch):
+    tensors = read_all(checkpoint)
+    tensors["model.visual.patch_embed.weight"] = torch.randn(16, 8)
+    with_vision = rewritten(checkpoint, tmp_path / "with_vision", tensors)
+    spy = GetTensorSpy()
+    monkeypatch.setattr(weights, "safe_open", spy)
+
+    def drop_vision(key: str) -> str | None:
+        return None if key.startswith("model.visual.") else key
+
+    model = fresh_model(with_vision)
+    report = load_weights(model, with_vision, key_map=drop_vision, device="cpu", dtype=torch.float32, progress=False)
+    assert report.skipped_keys == ["model.visual.patch_embed.weight"]
+    assert report.skipped_bytes == 16 * 8 * 4
+    assert "model.visual.patch_embed.weight" not in spy.read
+    assert sorted(spy.read) == sorted(k for k in tensors if not k.startswith("model.visual."))
+    assert torch.equal(model.model.norm.weight, tensors["model.norm.weight"].float())
+
+
+def test_key_map_renames(checkpoint, tmp_path):
+    tensors = {f"language_model.{key}": t for key, t in read_all(checkpoint).items()}
+    prefixed = rewritten(checkpoint, tmp_path / "prefixed", tensors)
+    model = fresh_model(prefixed)
+    report = load_weights(
+        model, prefixed, key_map=lambda k: k.removeprefix("language_model."), device="cpu", dtype=torch.float32,
+        progress=False,
+    )
+    assert len(report.loaded_keys) == len(tensors)
+    assert torch.equal(model.lm_head.weight, tensors["language_model.lm_head.weight"].float())
+
+
+@pytest.mark.parametrize("checkpoint_has_lm_head", [False, True])
+def test_tied_embeddings(checkpoint, tmp_path, checkpoint_has_lm_head):
+    tensors = read_all(checkpoint)
+    del tensors["lm_head.weight"]
+    if checkpoint_has_lm_head:  # some tied checkpoints still store the alias (a copy): skipped, not read twice
+        tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
+    tied = rewritten(checkpoint, tmp_path / "tied", tensors, tie_word_embeddings=True)
+    config, model, report = load_model(tied, dtype="float32", device="cpu", progress=False)
+    assert config.tie_word_embeddings
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert torch.equal(model.lm_head.weight, load_hf_model(tied).lm_head.weight)
+    assert report.skipped_keys == (["lm_head.weight"] if checkpoint_has_lm_head else [])
+
+
+def test_no_checkpoint_files(tmp_path, checkpoint):
+    shutil.copy(checkpoint / "config.json", tmp_path)
+    with pytest.raises(WeightLoadError, match="model.safetensors"):
+        load_model(tmp_path, dtype="float32", device="cpu", progress=False)
+
+
+def test_unknown_architecture_and_dtype(checkpoint, tmp_path):
+    other = rewritten(checkpoint, tmp_path / "other", read_all(checkpoint), architectures=["LlamaForCausalLM"])
+    with pytest.raises(ConfigError, match="LlamaForCausalLM"):
+        load_model(other, dtype="float32", device="cpu", progress=False)
+    with pytest.raises(ValueError, match="float8"):
+        load_model(checkpoint, dtype="float8", device="cpu", progress=False)
