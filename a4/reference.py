@@ -196,9 +196,9 @@ def _traced_forward(model: torch.nn.Module, input_ids: list[int], cache: object 
     try:
         for i, layer in enumerate(_decoder_layers(model)):
             mixer = layer.self_attn if kinds[i] == "full_attention" else layer.linear_attn
-            handles.append(layer.register_forward_hook(record(records[i], "layer_input", "layer_output"), with_kwargs=True))
-            handles.append(mixer.register_forward_hook(record(records[i], "mixer_input", "mixer_output"), with_kwargs=True))
-            handles.append(layer.mlp.register_forward_hook(record(records[i], "mlp_input", "mlp_output"), with_kwargs=True))
+            for module, part in ((layer, "layer"), (mixer, "mixer"), (layer.mlp, "mlp")):
+                hook = record(records[i], f"{part}_input", f"{part}_output")
+                handles.append(module.register_forward_hook(hook, with_kwargs=True))
             if hasattr(layer.mlp, "experts"):
                 # The router sees the tokens flattened: its logits are already [T, E].
                 handles.append(layer.mlp.gate.register_forward_hook(record_router(records[i])))

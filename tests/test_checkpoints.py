@@ -76,7 +76,8 @@ def test_qwen3_5_layout_matches_the_published_format(tiny_qwen3_5):
     """Key names and shapes from shared/reference/qwen3_5-configs.md, for the tiny config's numbers."""
     t = preset_config("qwen3_5", "tiny")["text_config"]
     H, V = t["hidden_size"], t["vocab_size"]
-    Hk, Hv, dk, dv = t["linear_num_key_heads"], t["linear_num_value_heads"], t["linear_key_head_dim"], t["linear_value_head_dim"]
+    Hk, Hv = t["linear_num_key_heads"], t["linear_num_value_heads"]
+    dk, dv = t["linear_key_head_dim"], t["linear_value_head_dim"]
     nH, nKV, hd, K = t["num_attention_heads"], t["num_key_value_heads"], t["head_dim"], t["linear_conv_kernel_dim"]
     shapes = {name: tuple(x.shape) for name, x in read_tensors(tiny_qwen3_5).items()}
     lm = "model.language_model"
@@ -187,6 +188,8 @@ def test_bad_arguments_raise(tmp_path):
         make_checkpoint(tmp_path / "x", "llama")
     with pytest.raises(CheckpointError, match="no preset"):
         make_checkpoint(tmp_path / "x", "qwen3_5", preset="7b")
+    with pytest.raises(CheckpointError, match="unknown text-config field"):
+        make_checkpoint(tmp_path / "x", "qwen3", num_layers=2)
     with pytest.raises(CheckpointError, match="multiple"):
         make_checkpoint(tmp_path / "x", "qwen3_5", linear_num_value_heads=3)
     (tmp_path / "full").mkdir()

@@ -245,7 +245,8 @@ def test_release_has_no_solutions_and_clear_notebooks(handout: Path) -> None:
 
 def _grade(repo: Path, junit: Path) -> subprocess.Popen:
     # The handout builds no checkpoint of its own: it shares the repository's cache (keys are content hashes).
-    env = _env(False, PYTHONPATH=str(repo), A4_CACHE_DIR=str(cache_root().parent))
+    # Two gradings run at once: one OpenMP thread each keeps them from oversubscribing the cores.
+    env = _env(False, PYTHONPATH=str(repo), A4_CACHE_DIR=str(cache_root().parent), OMP_NUM_THREADS="1")
     command = [sys.executable, "-m", "a4.course", "grade", str(repo), "--notebook", "01", "--junit", str(junit)]
     return subprocess.Popen(command, cwd=repo, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 

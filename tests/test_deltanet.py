@@ -95,12 +95,14 @@ def test_conv_decode_matches_transformers(kernel, dtype):
 def delta_rule_inputs(length: int, heads: int, dk: int, dv: int, seed: int) -> tuple[torch.Tensor, ...]:
     """float32 q (l2-normalised, scaled), k (l2-normalised), v, g <= 0 and beta in (0, 1), as the layer makes them.
 
-    The leading dims are [length, heads]; g spans strong and weak decay, so that chunk-wide decay products are small.
+    The leading dims are [length, heads]. g spans weak and strong decay, and every 7th token forgets almost
+    everything (g = -60): a chunk's cumulative decay then underflows to 0, which must not turn into inf or NaN.
     """
     q = F.normalize(randn(length, heads, dk, seed=seed), dim=-1) * dk**-0.5
     k = F.normalize(randn(length, heads, dk, seed=seed + 1), dim=-1)
     v = randn(length, heads, dv, seed=seed + 2)
     g = -F.softplus(2 * randn(length, heads, seed=seed + 3))
+    g[3::7] = -60.0
     beta = torch.sigmoid(randn(length, heads, seed=seed + 4))
     return q, k, v, g, beta
 

@@ -57,7 +57,8 @@ def rms_norm_zero_centred(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch
 def test_prefill_capture_shapes_and_contents(tiny_qwen3_5):
     t = preset_config("qwen3_5", "tiny")["text_config"]
     H, V, T = t["hidden_size"], t["vocab_size"], 7
-    conv_dim = 2 * t["linear_num_key_heads"] * t["linear_key_head_dim"] + t["linear_num_value_heads"] * t["linear_value_head_dim"]
+    key_dim = t["linear_num_key_heads"] * t["linear_key_head_dim"]
+    conv_dim = 2 * key_dim + t["linear_num_value_heads"] * t["linear_value_head_dim"]
     ids = PROMPTS[0] + [77]
     cap = hf_prefill_capture(tiny_qwen3_5, ids)
     model = cached_hf_model(tiny_qwen3_5)
@@ -72,9 +73,10 @@ def test_prefill_capture_shapes_and_contents(tiny_qwen3_5):
             assert getattr(layer, name).shape == (T, H), (i, name)
         # The decoder layer's algebra: pre-norm mixer and MLP, each added to the residual stream.
         eps = t["rms_norm_eps"]
-        torch.testing.assert_close(layer.mixer_input, rms_norm_zero_centred(layer.layer_input, layers[i].input_layernorm.weight, eps))
+        norm1, norm2 = layers[i].input_layernorm.weight, layers[i].post_attention_layernorm.weight
+        torch.testing.assert_close(layer.mixer_input, rms_norm_zero_centred(layer.layer_input, norm1, eps))
         hidden = layer.layer_input + layer.mixer_output
-        torch.testing.assert_close(layer.mlp_input, rms_norm_zero_centred(hidden, layers[i].post_attention_layernorm.weight, eps))
+        torch.testing.assert_close(layer.mlp_input, rms_norm_zero_centred(hidden, norm2, eps))
         torch.testing.assert_close(layer.layer_output, hidden + layer.mlp_output)
         if i + 1 < len(cap.layers):
             assert torch.equal(layer.layer_output, cap.layers[i + 1].layer_input)

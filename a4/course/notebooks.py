@@ -124,6 +124,9 @@ def run_notebooks(
         ]  # fmt: skip
         if workers > 1 and len(notebooks) > 1:
             command += ["-n", str(min(workers, len(notebooks))), "--dist", "loadfile"]
+            # One kernel per worker: several OpenMP threads per kernel would oversubscribe the cores, and tiny-model
+            # forwards then run many times slower.
+            env.setdefault("OMP_NUM_THREADS", "1")
         if junit is not None:
             command.append(f"--junitxml={junit}")
         command += [str(path) for path in notebooks]

@@ -87,11 +87,6 @@ class StatePool:
         return self._conv.shape[1]
 
     @property
-    def dtype(self) -> torch.dtype:
-        """The conv states' dtype (the model's); recurrent states are always float32."""
-        return self._conv.dtype
-
-    @property
     def device(self) -> torch.device:
         return self._conv.device
 
@@ -109,7 +104,8 @@ class StatePool:
 
     def clear(self, slots: Sequence[int]) -> None:
         """Zero the whole state (every GDN layer, both kinds) of the given slots; other slots are not touched."""
-        index = self._slot_index(slots)
+        self._check_slots(slots)
+        index = torch.as_tensor(list(slots), dtype=torch.int64, device=self.device)
         self._conv[:, index] = 0
         self._recurrent[:, index] = 0
 
@@ -118,7 +114,7 @@ class StatePool:
 
         The copy stays on the pool's device and keeps the pool's dtypes; the slot itself is not changed.
         """
-        self._slot_index([slot])
+        self._check_slots([slot])
         raise NotImplementedError("Exercise state-save: copy one slot's whole state out of the pool (notebooks/05_state_pool.ipynb)")
 
     def restore(self, checkpoint: StateCheckpoint, slot: int) -> None:
@@ -127,7 +123,7 @@ class StatePool:
         After it, the slot holds exactly the state `save` copied: a request continuing from this slot computes what
         the saved request would have computed next.
         """
-        self._slot_index([slot])
+        self._check_slots([slot])
         self._check_compatible(checkpoint)
         raise NotImplementedError("Exercise state-restore: copy a checkpoint into a slot (notebooks/05_state_pool.ipynb)")
 
@@ -136,12 +132,10 @@ class StatePool:
             raise IndexError(f"StatePool has {self.num_layers} GDN layers; GDN layer {gdn_layer} does not exist")
         return gdn_layer
 
-    def _slot_index(self, slots: Sequence[int]) -> torch.Tensor:
-        """The slots as an index tensor on the pool's device, after checking that each one exists."""
+    def _check_slots(self, slots: Sequence[int]) -> None:
         bad = [slot for slot in slots if not 0 <= slot < self.num_slots]
         if bad:
             raise IndexError(f"StatePool has {self.num_slots} slots; slot(s) {bad} do not exist")
-        return torch.as_tensor(list(slots), dtype=torch.int64, device=self.device)
 
     def _check_compatible(self, checkpoint: StateCheckpoint) -> None:
         """A checkpoint of another model or dtype would be copied in silently (or broadcast): refuse it."""

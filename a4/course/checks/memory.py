@@ -13,7 +13,7 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -22,7 +22,11 @@ from a4.core import Req, SamplingParams
 from a4.course.checks import conclude
 from a4.course.checks.config import QWEN3_5_PRESETS
 from a4.engine.memory_plan import MemoryLedger, MemoryPlan, MemoryPlanError
-from a4.models.config import load_model_config, parse_config
+from a4.models.config import ModelConfig, load_model_config, parse_config
+
+if TYPE_CHECKING:
+    from a4 import LLM
+    from a4.engine.engine import Engine
 
 # Written out rather than asked of torch: the check should not share a helper with the code it checks.
 ELEMENT_BYTES = {torch.float32: 4, torch.bfloat16: 2}
@@ -164,12 +168,12 @@ def break_even_problems(
 ) -> list[str]:
     """Whether break_even_tokens(hybrid, all_attention) is the shortest request that costs less in the hybrid."""
 
+    def request_bytes(ledger: MemoryLedger, n: int) -> int:
+        # Written out rather than ledger.bytes_per_request: the check does its own arithmetic.
+        return ledger.table_bytes_per_slot + ledger.state_bytes_per_slot + n * ledger.kv_bytes_per_token
+
     def hybrid_cheaper(n: int) -> bool:
-        hybrid_bytes = hybrid.table_bytes_per_slot + hybrid.state_bytes_per_slot + n * hybrid.kv_bytes_per_token
-        other_bytes = (
-            all_attention.table_bytes_per_slot + all_attention.state_bytes_per_slot + n * all_attention.kv_bytes_per_token
-        )
-        return hybrid_bytes < other_bytes
+        return request_bytes(hybrid, n) < request_bytes(all_attention, n)
 
     n = break_even_tokens(hybrid, all_attention)
     if not isinstance(n, int) or n < 0:
@@ -192,11 +196,14 @@ def break_even_edge_problems(break_even_tokens: Callable[[MemoryLedger, MemoryLe
     problems += break_even_problems(
         break_even_tokens, MemoryLedger(50, 900), all_attention, "hybrid cheaper from the start (made up)"
     )
+    label = "a hybrid never cheaper (made up)"
     try:
         n = break_even_tokens(MemoryLedger(100, 1000, 10), all_attention)
-        problems.append(f"tokens that cost no less (made up): expected a ValueError, got {n!r}")
+        problems.append(f"{label}: expected a ValueError, got {n!r}")
     except ValueError:
         pass
+    except ArithmeticError as e:  # a division by the zero saving per token
+        problems.append(f"{label}: expected a ValueError, got {type(e).__name__}: {e}")
     return problems
 
 
@@ -245,13 +252,20 @@ def check_split(plan_hybrid_memory: Callable[..., MemoryPlan], model_dir: str | 
     conclude(problems, f"{count} plans: slots and pages as the policy says, always within the budget")
 
 
-def _split_problems(plan_hybrid_memory, config, fig: Figures, dtype, case: dict[str, Any], label: str) -> list[str]:
+def _split_problems(
+    plan_hybrid_memory: Callable[..., MemoryPlan],
+    config: ModelConfig,
+    fig: Figures,
+    dtype: torch.dtype,
+    case: dict[str, Any],
+    label: str,
+) -> list[str]:
     want = expected_split(fig, **case)
     try:
         plan = plan_hybrid_memory(config, dtype=dtype, **case)
     except MemoryPlanError as e:
         if want is not None:
-            return [f"{label}: expected {want[0]} slots and {want[1]} pages, got MemoryPlanError: {e}"]
+            return [f"{label}: expected (slots, pages) = {want}, got MemoryPlanError: {e}"]
         if f"{fig.slot_bytes:,}" not in str(e) and str(fig.slot_bytes) not in str(e):
             return [f"{label}: the MemoryPlanError should name the bytes of one slot ({fig.slot_bytes:,}): {e}"]
         return []
@@ -260,7 +274,7 @@ def _split_problems(plan_hybrid_memory, config, fig: Figures, dtype, case: dict[
     problems = []
     got = (plan.max_running_requests, plan.num_pages)
     if got != want:
-        problems.append(f"{label}: expected {want[0]} slots and {want[1]} pages, got {got[0]} and {got[1]}")
+        problems.append(f"{label}: expected (slots, pages) = {want}, got {got}")
     used = got[0] * fig.slot_bytes + got[1] * case["page_size"] * fig.kv_bytes_per_token
     if used > case["budget_bytes"]:
         problems.append(f"{label}: {got[0]} slots and {got[1]} pages use {used:,} B, over the budget")
@@ -270,7 +284,7 @@ def _split_problems(plan_hybrid_memory, config, fig: Figures, dtype, case: dict[
 # ---------------------------------------------------------------------------------------------------- the engine
 
 
-def pool_bytes(engine) -> dict[str, int]:
+def pool_bytes(engine: Engine) -> dict[str, int]:
     """Bytes of the tensors the engine allocated for its requests, measured on the tensors themselves."""
     kv = sum(t.nbytes for layer in range(engine.kv_pool.num_layers) for t in engine.kv_pool.get_kv(layer))
     states = engine.state_pool
@@ -338,7 +352,7 @@ class StepTrace:
     free_pages: int
 
 
-def run_traced(llm, prompts: list[list[int]], params: SamplingParams) -> tuple[list[Req], list[StepTrace]]:
+def run_traced(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> tuple[list[Req], list[StepTrace]]:
     """Queue every prompt, step the engine until all are finished, and record each step."""
     engine = llm.engine
     reqs = [engine.add_request(prompt, params) for prompt in prompts]

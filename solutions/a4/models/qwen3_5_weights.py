@@ -32,7 +32,7 @@ def checkpoint_key_map(key: str) -> str | None:
     - `model.visual.<rest>` and `mtp.<rest>` -> None: skipped, never read.
     - any other key -> the key itself, unchanged. Never None: a key outside the four groups means the file is not
       what a4 thinks it is, and the loader must report it as unexpected rather than drop it without a word.
-      (Dropping a tensor silently is how a model ends up running with random weights.)
+      (Every parameter would still be filled, so nothing else would flag a tensor the file meant the model to use.)
     """
     # BEGIN SOLUTION weights-key-map 02_weights: checkpoint keys onto a4's names; skip vision and MTP, keep unknowns
     if key.startswith("model.language_model."):

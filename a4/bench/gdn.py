@@ -1,0 +1,139 @@
+"""Benchmark: the gated delta rule on CPU, token by token against chunked.
+
+Side by side on the shapes of Qwen3.5-0.8B's GDN layers (16 value heads, dk = dv = 128, float32, one sequence):
+a4's recurrence (`recurrent_gated_delta_rule`, what decode runs), a4's chunked form (`chunk_gated_delta_rule`, what
+prefill runs) and transformers' `torch_chunk_gated_delta_rule`, at several sequence lengths T. Each figure is the
+median wall time of several runs after a warm-up run, as tokens/s. The chunked form should be several times faster
+than the recurrence and keep the same tokens/s as T grows.
+
+    python -m a4 bench gdn [--quick] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+NUM_HEADS, HEAD_DIM = 16, 128
+METHODS = ("recurrence", "a4 chunked", "transformers chunked")
+
+
+def delta_rule_inputs(length: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    """q, k (l2-normalised, q not yet scaled), v [T, H, D]; g <= 0 and beta in (0, 1) [T, H]; float32."""
+    gen = torch.Generator().manual_seed(seed)
+    q = F.normalize(torch.randn(length, NUM_HEADS, HEAD_DIM, generator=gen), dim=-1)
+    k = F.normalize(torch.randn(length, NUM_HEADS, HEAD_DIM, generator=gen), dim=-1)
+    v = torch.randn(length, NUM_HEADS, HEAD_DIM, generator=gen)
+    g = -F.softplus(torch.randn(length, NUM_HEADS, generator=gen))
+    beta = torch.rand(length, NUM_HEADS, generator=gen)
+    return q, k, v, g, beta
+
+
+def runners(length: int) -> dict[str, Callable[[], object]]:
+    """One zero-argument call per method, all on the same inputs of `length` tokens, from a zero state."""
+    # Imported here: the a4 module is an exercise (notebook 04), and transformers is only the reference.
+    from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
+
+    from a4.layers.deltanet import chunk_gated_delta_rule, recurrent_gated_delta_rule
+
+    q, k, v, g, beta = delta_rule_inputs(length)
+    q_scaled = q * HEAD_DIM**-0.5  # a4's functions take q scaled; transformers' scales it itself
+    state = torch.zeros(1, NUM_HEADS, HEAD_DIM, HEAD_DIM)
+    cu_seqlens = torch.tensor([0, length])
+    batched = [x[None] for x in (q_scaled, k, v, g, beta)]  # [1, T, ...]: one sequence
+    return {
+        "recurrence": lambda: recurrent_gated_delta_rule(*batched, state),
+        "a4 chunked": lambda: chunk_gated_delta_rule(q_scaled, k, v, g, beta, cu_seqlens, state),
+        "transformers chunked": lambda: torch_chunk_gated_delta_rule(
+            q[None], k[None], v[None], g[None], beta[None], initial_state=state, output_final_state=True
+        ),
+    }
+
+
+def median_seconds(run: Callable[[], object], repeats: int) -> float:
+    run()  # warm-up: first-call allocations and library initialisation are not what we measure
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def print_table(results: list[dict]) -> None:
+    print(
+        f"gated delta rule, {NUM_HEADS} heads, dk = dv = {HEAD_DIM}, float32, {torch.get_num_threads()} CPU threads: "
+        "tokens/s (median of the runs)"
+    )
+    print(f"{'T':>6}" + "".join(f"{m:>22}" for m in METHODS) + f"{'a4 / recurrence':>17}{'a4 / transformers':>19}")
+    for row in results:
+        rates = row["tokens_per_s"]
+        print(
+            f"{row['T']:>6}"
+            + "".join(f"{rates[m]:>22,.0f}" for m in METHODS)
+            + f"{row['a4_over_recurrence']:>16.2f}x{row['a4_over_transformers']:>18.2f}x"
+        )
+
+
+def plot(results: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    lengths = [row["T"] for row in results]
+    for method in METHODS:
+        ax.plot(lengths, [row["tokens_per_s"][method] for row in results], marker="o", label=method)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(lengths, [str(t) for t in lengths])
+    ax.set_ylim(bottom=0)
+    ax.set_xlabel("sequence length T (tokens)")
+    ax.set_ylabel("tokens/s")
+    ax.set_title(f"gated delta rule on CPU ({NUM_HEADS} heads, dk = dv = {HEAD_DIM}, float32)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(quick: bool = False, out_dir: Path | None = None) -> dict:
+    """Measure, print the table, write gdn.json and gdn.png into out_dir (when given); returns the JSON's contents."""
+    lengths, repeats = ((128, 512), 1) if quick else ((512, 2048, 8192), 5)
+    results = []
+    for length in lengths:
+        seconds = {method: median_seconds(run, repeats) for method, run in runners(length).items()}
+        rates = {method: length / s for method, s in seconds.items()}
+        results.append(
+            {
+                "T": length,
+                "seconds": seconds,
+                "tokens_per_s": rates,
+                "a4_over_recurrence": rates["a4 chunked"] / rates["recurrence"],
+                "a4_over_transformers": rates["a4 chunked"] / rates["transformers chunked"],
+            }
+        )
+    print_table(results)
+    report = {
+        "benchmark": "gdn",
+        "num_heads": NUM_HEADS,
+        "head_dim": HEAD_DIM,
+        "dtype": "float32",
+        "threads": torch.get_num_threads(),
+        "repeats": repeats,
+        "statistic": "median wall time after one warm-up run",
+        "results": results,
+    }
+    if out_dir is not None:
+        out_dir = Path(out_dir)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "gdn.json").write_text(json.dumps(report, indent=2) + "\n")
+        plot(results, out_dir / "gdn.png")
+        print(f"wrote {out_dir / 'gdn.json'} and {out_dir / 'gdn.png'}")
+    return report
