@@ -152,7 +152,7 @@ def run_demo(args: argparse.Namespace) -> int:
     print(
         f"{len(prompts)} requests, up to {args.max_new_tokens} new tokens each; max_prefill_tokens="
         f"{args.max_prefill_tokens}, max_running_requests={args.max_running_requests}, page_size={args.page_size}, "
-        f"prefix cache {'on' if llm.engine.prefix_cache_enabled else 'off (a hybrid model reuses no prefix yet)'}\n"
+        f"prefix cache {'on' if llm.engine.prefix_cache_enabled else 'off'}\n"
     )
     outputs = llm.generate(prompts, SamplingParams(max_new_tokens=args.max_new_tokens))
     print("running transformers (each prompt alone) for reference ...\n", flush=True)

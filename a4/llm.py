@@ -11,6 +11,11 @@ outputs come back in prompt order. A bad prompt gets finish_reason "error" witho
 Memory: `memory_budget_bytes` is split between request slots (`max_running_requests` of them, fewer if they do not
 fit) and KV pages. For a hybrid model, whose slots also hold their Gated DeltaNet states, `state_fraction` (in
 (0, 1)) caps the slots' share of the budget instead, so that KV keeps the rest (a4/engine/hybrid_memory.py).
+
+Prefix cache of a hybrid model (`enable_prefix_cache=True`): a hit must also restore the Gated DeltaNet state after
+exactly the hit's tokens. `hybrid_prefix_policy="checkpoint"` (the default) keeps up to `max_state_checkpoints` copies
+of request states on the radix tree, at chunk boundaries, prompt ends and request ends, and hits only where one is
+kept (a4/kvcache/hybrid_radix_cache.py); their bytes come out of `memory_budget_bytes`. "refuse" never reuses a prefix.
 """
 
 from __future__ import annotations
@@ -37,6 +42,8 @@ class LLM:
         enable_prefix_cache: bool = True,
         memory_budget_bytes: int | None = None,
         state_fraction: float | None = None,
+        hybrid_prefix_policy: str = "checkpoint",
+        max_state_checkpoints: int = 16,
     ) -> None:
         self.engine = Engine(
             EngineConfig(
@@ -49,6 +56,8 @@ class LLM:
                 enable_prefix_cache=enable_prefix_cache,
                 memory_budget_bytes=memory_budget_bytes,
                 state_fraction=state_fraction,
+                hybrid_prefix_policy=hybrid_prefix_policy,
+                max_state_checkpoints=max_state_checkpoints,
             )
         )
 

@@ -32,7 +32,7 @@ from a4.layers.deltanet import (
     chunk_gated_delta_rule,
     recurrent_gated_delta_rule,
 )
-from a4.models.config import parse_config
+from a4.models.config import ModelConfig, parse_config
 from layer_checks import RELATIVE_TOLERANCE, assert_close, assert_same_roundings, randn
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -54,7 +54,8 @@ NUM_SLOTS = 4
 def test_conv_prefill_matches_transformers_for_each_sequence_of_a_batch(kernel, dtype):
     channels = 12
     weight = randn(channels, 1, kernel, seed=0, dtype=dtype)
-    seq_lens = [1, kernel - 1, 9]  # one shorter than the state: it keeps part of its old state
+    # With kernel 4 the first sequence is shorter than the state: its new state keeps part of the old one.
+    seq_lens = [1, kernel - 1, 9]
     x = randn(sum(seq_lens), channels, seed=1, dtype=dtype)
     states = randn(len(seq_lens), channels, kernel - 1, seed=2, dtype=dtype)
     states[0] = 0  # a fresh sequence
@@ -189,7 +190,7 @@ def test_gated_norm_matches_transformers(dtype):
 # --- the layer -------------------------------------------------------------------------------------------------------
 
 
-def layer_configs(shape: tuple[int, int, int, int, int]) -> tuple[Qwen3_5TextConfig, object]:
+def layer_configs(shape: tuple[int, int, int, int, int]) -> tuple[Qwen3_5TextConfig, ModelConfig]:
     """transformers' text config with one GDN layer of this shape, and a4's ModelConfig of the same file."""
     key_heads, value_heads, dk, dv, kernel = shape
     text = Qwen3_5TextConfig(
@@ -269,14 +270,17 @@ class LayerPair:
                 self.lengths[slot] = self.lengths.get(slot, 0) + hidden.shape[0]
         return ours, torch.cat(expected)
 
+    def release(self, slot: int) -> None:
+        """The request in `slot` finishes: the next one there is new, but a4's state rows keep what they hold."""
+        del self.lengths[slot], self.caches[slot]
+
     def assert_states_match(self, slot: int) -> None:
         """a4's state rows of `slot` against transformers' cache of the request there."""
         layer = self.caches[slot].layers[0]
         # transformers keeps the last K conv inputs, a4 the last K-1: compare the overlap.
-        assert_close(self.conv_state[slot], layer.conv_states[0][0, :, 1:], RELATIVE_TOLERANCE[self.dtype], "conv state")
-        assert_close(
-            self.recurrent_state[slot], layer.recurrent_states[0][0], RELATIVE_TOLERANCE[self.dtype], "recurrent state"
-        )
+        tolerance = RELATIVE_TOLERANCE[self.dtype]
+        assert_close(self.conv_state[slot], layer.conv_states[0][0, :, 1:], tolerance, "conv state")
+        assert_close(self.recurrent_state[slot], layer.recurrent_states[0][0], tolerance, "recurrent state")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -310,13 +314,16 @@ def test_layer_varlen_batch_equals_each_request_alone(dtype):
 
 def test_layer_fresh_request_ignores_what_its_slot_holds():
     pair = LayerPair(SHAPES["equal heads, kernel 4"], torch.float32)
-    # A reused slot still holds the previous request's states; here, garbage. A request with no prefix must start
-    # from zero states anyway (NaN would leak through any arithmetic that merely scales the old state by 0).
-    pair.conv_state[1] = float("nan")
-    pair.recurrent_state[1] = float("nan")
-    pair.conv_state[2] = 1e3
-    pair.recurrent_state[2] = 1e3
-    ours, expected = pair.step([1, 2], [pair.hidden(20, seed=1), pair.hidden(1, seed=2)])
-    assert_close(ours, expected, RELATIVE_TOLERANCE[torch.float32])
-    for slot in (1, 2):
+    tolerance = RELATIVE_TOLERANCE[torch.float32]
+    pair.step([0, 1], [pair.hidden(30, seed=1), pair.hidden(9, seed=2)])
+    pair.step([0, 1], [pair.hidden(1, seed=3), pair.hidden(1, seed=4)])
+    # The request in slot 1 finishes; its states stay in the slot, as in a real state pool. Slot 2 holds garbage:
+    # NaN leaks through any arithmetic that merely scales the old state by 0.
+    pair.release(1)
+    pair.conv_state[2] = float("nan")
+    pair.recurrent_state[2] = float("nan")
+    # One prefill batch: request 0 continues (prefix 31), two new requests start in the used slots.
+    ours, expected = pair.step([0, 1, 2], [pair.hidden(5, seed=5), pair.hidden(20, seed=6), pair.hidden(1, seed=7)])
+    assert_close(ours, expected, tolerance)
+    for slot in (0, 1, 2):
         pair.assert_states_match(slot)

@@ -128,7 +128,9 @@ class AttentionPair:
             req_slots=torch.tensor(slots),
             extend_lens=extend_lens,
             prefix_lens=prefix_lens,
-            out_cache_loc=torch.cat([self.req_to_token[s, p : p + n] for s, p, n in zip(slots, prefix_lens, extend_lens)]),
+            out_cache_loc=torch.cat(
+                [self.req_to_token[s, p : p + n] for s, p, n in zip(slots, prefix_lens, extend_lens)]
+            ),
             sample_indices=torch.tensor([], dtype=torch.long),
             req_to_token=self.req_to_token,
             kv_pool=self.pool,

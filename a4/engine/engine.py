@@ -8,8 +8,10 @@ request first: a bad one finishes at once with finish_reason "error" and never r
 Hybrid models (config.is_hybrid, Qwen3.5) also keep a StatePool (notebook 05): the Gated DeltaNet states of every
 request slot, indexed like `req_to_token` by the slot (`ForwardBatch.req_slots`). Its per-slot bytes go into the
 memory plan, the pool is created in `_create_pools`, cleared for each request that starts from nothing, and handed
-to the model in `_forward_batch`. Until the prefix cache can save states (notebook 07), a hybrid model never reuses
-a cached prefix: KV alone cannot resume a request whose state at that position was never kept.
+to the model in `_forward_batch`. KV alone cannot resume a request at a cached position: its GDN layers need the state
+after exactly that position. So a hybrid model's prefix cache follows `hybrid_prefix_policy` (`_create_prefix_cache`):
+"checkpoint" keeps copies of states on the radix tree and hits only where one is kept (notebook 07), their bytes set
+aside in the memory plan (`_checkpoint_bytes`); "refuse" never reuses a prefix.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from pathlib import Path
 import torch
 
 from a4.core import Batch, ForwardBatch, Req, SamplingParams
-from a4.engine.memory_plan import MemoryLedger, MemoryPlan, default_budget_bytes, plan_memory
+from a4.engine.memory_plan import MemoryLedger, MemoryPlan, MemoryPlanError, default_budget_bytes, plan_memory
 from a4.engine.sampling import Sampler
 from a4.kvcache.allocator import PageAllocator
 from a4.kvcache.kv_pool import KVPool
@@ -34,6 +36,9 @@ from a4.scheduler.scheduler import Scheduler
 from a4.scheduler.table import TableManager
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# How the prefix cache serves a hybrid model: "checkpoint" (hits only where a copy of the state was saved, notebook
+# 07) or "refuse" (no hits at all: always correct, never faster).
+HYBRID_PREFIX_POLICIES = ("checkpoint", "refuse")
 
 
 @dataclass(frozen=True)
@@ -51,6 +56,10 @@ class EngineConfig:
     # Hybrid models: the largest share of the budget that request slots (with their states) may take, the rest
     # going to KV pages; None: `max_running_requests` slots first (see a4/engine/hybrid_memory.py).
     state_fraction: float | None = None
+    # Hybrid models: how the prefix cache reuses prefixes (HYBRID_PREFIX_POLICIES), and under "checkpoint" how many
+    # state checkpoints it keeps at most (least recently used evicted first; their bytes come out of the budget).
+    hybrid_prefix_policy: str = "checkpoint"
+    max_state_checkpoints: int = 16
 
     def __post_init__(self) -> None:
         if not Path(self.model_dir).is_dir():
@@ -79,6 +88,13 @@ class EngineConfig:
             or not 0 < self.state_fraction < 1
         ):
             raise ValueError(f"state_fraction must be a number in (0, 1) or None, got {self.state_fraction!r}")
+        if self.hybrid_prefix_policy not in HYBRID_PREFIX_POLICIES:
+            raise ValueError(
+                f"unknown hybrid_prefix_policy {self.hybrid_prefix_policy!r} (expected one of {HYBRID_PREFIX_POLICIES})"
+            )
+        checkpoints = self.max_state_checkpoints
+        if isinstance(checkpoints, bool) or not isinstance(checkpoints, int) or checkpoints < 0:
+            raise ValueError(f"max_state_checkpoints must be a non-negative integer, got {checkpoints!r}")
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -129,12 +145,8 @@ class Engine:
         self.max_context_len = context - context % page_size
         self._create_pools()
         self.table_manager = TableManager(self.memory_plan.max_running_requests, self.max_context_len, self.device)
-        # A hybrid model refuses prefix hits: the cache keeps KV but no states, and a request resumed at a cached
-        # position would run its GDN layers from a state that was never saved there.
-        use_prefix_cache = config.enable_prefix_cache and not self.model_config.is_hybrid
-        prefix_cache: BasePrefixCache = RadixCache(page_size) if use_prefix_cache else NoPrefixCache(page_size)
         self.cache_manager = CacheManager(
-            PageAllocator(self.memory_plan.num_pages, page_size), prefix_cache, self.table_manager
+            PageAllocator(self.memory_plan.num_pages, page_size), self._create_prefix_cache(), self.table_manager
         )
         self.scheduler = Scheduler(
             self.table_manager,
@@ -173,14 +185,52 @@ class Engine:
             max_context_len=model_config.max_position_embeddings,
             device=self.device,
         )
+        checkpoint_bytes = self._checkpoint_bytes(ledger, budget)
         memory_plan = plan(
             model_config,
-            budget_bytes=budget,
+            budget_bytes=budget - checkpoint_bytes,
             page_size=config.page_size,
             dtype=dtype,
             max_running_requests=config.max_running_requests,
         )
-        return ledger, memory_plan
+        return ledger, replace(memory_plan, budget_bytes=budget, checkpoint_bytes=checkpoint_bytes)
+
+    @property
+    def _keeps_state_checkpoints(self) -> bool:
+        """Whether the prefix cache saves states: a hybrid model's, under the "checkpoint" policy."""
+        config = self.config
+        return (
+            config.enable_prefix_cache and self.model_config.is_hybrid and config.hybrid_prefix_policy == "checkpoint"
+        )
+
+    def _checkpoint_bytes(self, ledger: MemoryLedger, budget: int) -> int:
+        """Bytes set aside for the prefix cache's state checkpoints (each one slot's state), before slots and pages."""
+        if not self._keeps_state_checkpoints:
+            return 0
+        count = self.config.max_state_checkpoints
+        checkpoint_bytes = count * ledger.state_bytes_per_slot
+        # What must remain: one request slot and one KV page, the smallest plan.
+        if budget - checkpoint_bytes < ledger.bytes_per_request(self.config.page_size):
+            raise MemoryPlanError(
+                f"max_state_checkpoints={count} state checkpoints take {checkpoint_bytes:,} B of the {budget:,} B "
+                f"memory budget, leaving less than one request slot and one KV page "
+                f"({ledger.bytes_per_request(self.config.page_size):,} B): lower max_state_checkpoints, raise "
+                f"memory_budget_bytes, or set hybrid_prefix_policy='refuse'"
+            )
+        return checkpoint_bytes
+
+    def _create_prefix_cache(self) -> BasePrefixCache:
+        """The radix cache; for a hybrid model the one `hybrid_prefix_policy` asks for (see the module docstring)."""
+        config, page_size = self.config, self.config.page_size
+        if self._keeps_state_checkpoints:
+            # Imported here: the hybrid radix cache is an exercise (notebook 07), and serving Qwen3 must not depend
+            # on it.
+            from a4.kvcache.hybrid_radix_cache import HybridRadixCache
+
+            return HybridRadixCache(page_size, self.state_pool, config.max_state_checkpoints)
+        if config.enable_prefix_cache and not self.model_config.is_hybrid:
+            return RadixCache(page_size)
+        return NoPrefixCache(page_size)
 
     def _create_pools(self) -> None:
         """The memory the layers read and write: KV pages and, for a hybrid model, a state per request slot."""
@@ -249,7 +299,7 @@ class Engine:
 
     @property
     def prefix_cache_enabled(self) -> bool:
-        """Whether prompts can reuse cached prefixes (False when switched off, and for hybrid models for now)."""
+        """Whether prompts can reuse cached prefixes (False when switched off, or for a hybrid model that refuses)."""
         return not isinstance(self.cache_manager.prefix_cache, NoPrefixCache)
 
     @property

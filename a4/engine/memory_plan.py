@@ -70,6 +70,9 @@ class MemoryPlan:
     page_size: int
     num_pages: int
     max_running_requests: int
+    # Set aside for the prefix cache's state checkpoints (hybrid models, notebook 07): the engine plans slots and
+    # pages in budget_bytes - checkpoint_bytes.
+    checkpoint_bytes: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -86,7 +89,7 @@ class MemoryPlan:
 
     @property
     def used_bytes(self) -> int:
-        return self.kv_bytes + self.slot_bytes
+        return self.kv_bytes + self.slot_bytes + self.checkpoint_bytes
 
     def describe(self) -> str:
         ledger = self.ledger
@@ -99,6 +102,9 @@ class MemoryPlan:
             f"KV pool           {self.num_pages:,} pages of {self.page_size} = {self.num_tokens:,} tokens"
             f" = {_mib(self.kv_bytes)}",
         ]
+        if self.checkpoint_bytes:
+            count = self.checkpoint_bytes // ledger.state_bytes_per_slot
+            lines.append(f"state checkpoints {count} = {_mib(self.checkpoint_bytes)} (kept by the prefix cache)")
         return "\n".join(lines)
 
 

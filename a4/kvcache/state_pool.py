@@ -66,7 +66,7 @@ class StatePool:
             raise ValueError(f"{config.architecture} has no Gated DeltaNet layers: it needs no StatePool")
         if not isinstance(num_slots, int) or num_slots <= 0:
             raise ValueError(f"StatePool: num_slots must be a positive integer, got {num_slots!r}")
-        raise NotImplementedError("Exercise state-pool-alloc: allocate the conv and recurrent states of every slot and GDN layer (notebooks/05_state_pool.ipynb)")
+        raise NotImplementedError("Exercise state-pool-alloc: the zero-filled conv and recurrent states of every GDN layer (notebooks/05_state_pool.ipynb)")
 
     @staticmethod
     def bytes_per_slot(config: ModelConfig, dtype: torch.dtype) -> int:

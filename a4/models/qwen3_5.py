@@ -22,7 +22,7 @@ Where each layer keeps its memory (`pool_layer_of`):
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 from torch import nn
@@ -53,8 +53,16 @@ def pool_layer_of(config: ModelConfig) -> dict[int, int]:
     return {layer: pool_layer for layers in layers_of_kind for pool_layer, layer in enumerate(layers)}
 
 
+# Builds the MLP of a decoder layer: the dense model's GatedMLP, or the MoE model's sparse MoE block.
+MlpFactory = Callable[[ModelConfig], nn.Module]
+
+
+def dense_mlp(config: ModelConfig) -> nn.Module:
+    return GatedMLP(config.hidden_size, config.intermediate_size)
+
+
 class Qwen3_5DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int, pool_layer: int) -> None:
+    def __init__(self, config: ModelConfig, layer_id: int, pool_layer: int, make_mlp: MlpFactory = dense_mlp) -> None:
         super().__init__()
         self.is_linear = config.layer_types[layer_id] == LINEAR_ATTENTION
         self.pool_layer = pool_layer
@@ -65,7 +73,7 @@ class Qwen3_5DecoderLayer(nn.Module):
         else:
             self.self_attn = GatedAttention(config, pool_layer)
         self.post_attention_layernorm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
+        self.mlp = make_mlp(config)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         h = self.input_layernorm(x)
@@ -80,12 +88,12 @@ class Qwen3_5DecoderLayer(nn.Module):
 
 
 class Qwen3_5TextModel(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, make_mlp: MlpFactory = dense_mlp) -> None:
         super().__init__()
         pool_layers = pool_layer_of(config)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            Qwen3_5DecoderLayer(config, i, pool_layers[i]) for i in range(config.num_hidden_layers)
+            Qwen3_5DecoderLayer(config, i, pool_layers[i], make_mlp) for i in range(config.num_hidden_layers)
         )
         self.norm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps)
         # Partial RoPE: the tables cover only the rotary dims; the attention layers leave the other dims alone.
@@ -106,10 +114,13 @@ class Qwen3_5TextModel(nn.Module):
 class Qwen3_5ForConditionalGeneration(nn.Module):
     """The language model of a Qwen3.5 checkpoint (the class is named after the checkpoint's architecture)."""
 
+    # The MLP of every decoder layer; the MoE model (a4.models.qwen3_5_moe) swaps in its sparse MoE block.
+    make_mlp: MlpFactory = staticmethod(dense_mlp)
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
-        self.model = Qwen3_5TextModel(config)
+        self.model = Qwen3_5TextModel(config, self.make_mlp)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             # One tensor under two names: the checkpoint stores it once, as the embedding.

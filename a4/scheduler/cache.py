@@ -8,6 +8,11 @@ Memory of the KV pool is always in exactly one of three states:
 A request's row of `req_to_token` points at pages of the last two kinds. When its prefill writes new tokens they are
 inserted into the tree (so later requests can share them) and when it finishes whatever the tree cannot keep (a
 partial last page, or everything when the cache is disabled) goes back to the free list.
+
+A hybrid model's request also has a state in its slot (StatePool), which describes exactly the tokens fed so far.
+Each time KV is handed to the tree, a copy of that state is offered to the prefix cache too (`save_state`: kept by
+the hybrid model's cache, notebook 07), and a request admitted with a prefix hit gets the state saved there
+(`restore_state`).
 """
 
 from __future__ import annotations
@@ -53,6 +58,10 @@ class CacheManager:
     def unlock(self, handle: CacheHandle) -> None:
         self.prefix_cache.unlock(handle)
 
+    def restore_state(self, req: Req) -> None:
+        """Give a request just admitted with a prefix hit (req.cache_handle) the state saved where the hit ends."""
+        self.prefix_cache.restore_state(req.cache_handle, req.table_idx)
+
     def pages_to_finish(self, req: Req, cached_len: int) -> int:
         """Pages the request still needs, from cached_len tokens in the pool to its longest possible length.
 
@@ -92,6 +101,9 @@ class CacheManager:
         old_handle = req.cache_handle
         row = self.table_manager.read(table_idx, 0, stored)
         result = self.prefix_cache.insert_prefix(req.all_ids[:stored], row)
+        # The slot's state is the state after exactly the `stored` tokens fed: a chunk boundary, the end of the
+        # prompt, or (finished) everything but the last sampled token, the prefix of a multi-turn chat's next turn.
+        self.prefix_cache.save_state(req.all_ids[:stored], table_idx)
         duplicates = slice(old_handle.cached_len, result.prefix_len)
         self.allocator.free_locations(row[duplicates])
         self.table_manager.write(table_idx, old_handle.cached_len, result.locations[duplicates])

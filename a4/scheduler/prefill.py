@@ -67,6 +67,7 @@ class PrefillAdder:
         req.cached_len = req.prefix_hit_len = match.handle.cached_len
         req.cache_handle = match.handle
         self.table_manager.write(req.table_idx, 0, match.locations)
+        self.cache_manager.restore_state(req)
         return True
 
     def batch(self) -> Batch:

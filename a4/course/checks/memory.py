@@ -129,7 +129,7 @@ def _published_problems(label: str, want: Published, fig: Figures, ledger: Memor
 
 
 def check_ledger(
-    hybrid_ledger: Callable[[Any, torch.dtype], MemoryLedger],
+    hybrid_ledger: Callable[[ModelConfig, torch.dtype], MemoryLedger],
     break_even_tokens: Callable[[MemoryLedger, MemoryLedger], int],
 ) -> None:
     """Your ledger and break-even length for every model, in bfloat16 and float32, against config.json arithmetic."""
@@ -294,6 +294,7 @@ def pool_bytes(engine: Engine) -> dict[str, int]:
 
 
 def engine_cases(fig: Figures) -> list[dict[str, Any]]:
+    """LLM settings whose slots are limited by the budget, by max_running_requests and by state_fraction."""
     slot, token = fig.slot_bytes, fig.kv_bytes_per_token
     return [
         dict(memory_budget_bytes=3 * slot + 200 * token, max_running_requests=8, page_size=1, state_fraction=None),

@@ -80,13 +80,14 @@ def check_pool_layout(state_pool_class: type, checkpoint: str | Path, num_slots:
     check also writes through the accessors to see that each (layer, slot) is its own memory.
     """
     problems = []
-    for label, raw in _configs(checkpoint).items():
+    configs = _configs(checkpoint)
+    for label, raw in configs.items():
         config = parse_config(raw)
         for dtype_name, dtype in DTYPES.items():
             device = "cpu" if label == "tiny checkpoint" else "meta"
             pool = state_pool_class(config, num_slots, dtype, device)
             problems += _layout_problems(f"{label}, {dtype_name}", pool, raw, num_slots, dtype, device)
-    conclude(problems, f"the pool holds one conv and one recurrent state per GDN layer, for {len(_configs(checkpoint))} configs")
+    conclude(problems, f"one conv and one recurrent state per GDN layer, right shapes, for {len(configs)} configs")
 
 
 def _layout_problems(
@@ -249,6 +250,11 @@ def reference_tokens(checkpoint: str | Path, dtype: str = "float32") -> list[lis
     return [list(t) for t in _reference(str(Path(checkpoint).resolve()), dtype)]
 
 
+def first_difference(a: Sequence[int], b: Sequence[int]) -> int:
+    """Index of the first token where a and b differ (the shorter length if one is a prefix of the other)."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
 def token_problems(
     label: str, outputs: Sequence[Output], prompts: Sequence[Sequence[int]], expected: Sequence[Sequence[int]]
 ) -> list[str]:
@@ -258,37 +264,39 @@ def token_problems(
         if out.error is not None:
             problems.append(f"{label}: request {i} (prompt of {len(prompt)} tokens) failed: {out.error}")
         elif out.token_ids != list(want):
-            at = next((j for j, (a, b) in enumerate(zip(out.token_ids, want)) if a != b), min(len(out.token_ids), len(want)))
             problems.append(
-                f"{label}: request {i} (prompt of {len(prompt)} tokens) differs from transformers at output token {at}: "
+                f"{label}: request {i} (prompt of {len(prompt)} tokens) differs from transformers at output token "
+                f"{first_difference(out.token_ids, want)}: "
                 f"a4 {out.token_ids}, transformers {list(want)}"
             )
     return problems
 
 
 def _llm(checkpoint: str | Path, **kwargs):
+    """The engine as notebook 05 leaves it: a hybrid model reuses no cached prefix (saved states are notebook 07's)."""
     from a4.llm import LLM
 
-    return LLM(checkpoint, **kwargs)
+    return LLM(checkpoint, hybrid_prefix_policy="refuse", **kwargs)
 
 
 def check_decode_single(checkpoint: str | Path) -> None:
     """One request alone (a 130-token prompt: two GDN chunks, the second partial)."""
-    prompts, expected = shared_prompts(checkpoint), reference_tokens(checkpoint)
+    prompts = shared_prompts(checkpoint)
     pick = PROMPT_LENGTHS.index(130)
     outputs = _llm(checkpoint).generate([prompts[pick]], SamplingParams(max_new_tokens=MAX_NEW_TOKENS))
+    expected = reference_tokens(checkpoint)
     conclude(
         token_problems("one request", outputs, [prompts[pick]], [expected[pick]]),
-        f"one request of {PROMPT_LENGTHS[pick]} prompt tokens: {len(outputs[0].token_ids)} tokens equal to transformers'",
+        f"one request of {PROMPT_LENGTHS[pick]} prompt tokens: {len(outputs[0].token_ids)} tokens as transformers'",
     )
 
 
 def check_decode_varlen(checkpoint: str | Path) -> None:
     """Every prompt (1 to 300 tokens) prefilled in one step and decoded in one batch."""
-    prompts, expected = shared_prompts(checkpoint), reference_tokens(checkpoint)
+    prompts = shared_prompts(checkpoint)
     llm = _llm(checkpoint, max_running_requests=len(prompts), max_prefill_tokens=sum(PROMPT_LENGTHS))
     outputs = llm.generate(prompts, SamplingParams(max_new_tokens=MAX_NEW_TOKENS))
-    problems = token_problems("one batch", outputs, prompts, expected)
+    problems = token_problems("one batch", outputs, prompts, reference_tokens(checkpoint))
     if llm.stats.prefill_steps != 1:
         problems.append(f"the {len(prompts)} prompts took {llm.stats.prefill_steps} prefill steps; the check needs one")
     conclude(
@@ -304,13 +312,14 @@ def check_decode_chunked(checkpoint: str | Path, budgets: Sequence[int] = CHUNK_
     Budget 1 feeds prompts of 7 and 40 tokens one token per step; the other budgets feed prompts of 63, 64, 65 and
     130 tokens, several requests per step, so that chunks end at every kind of position.
     """
-    prompts, expected = shared_prompts(checkpoint), reference_tokens(checkpoint)
+    prompts = shared_prompts(checkpoint)
     problems = []
     for budget in budgets:
         lengths = (7, 40) if budget == 1 else (63, 64, 65, 130)
         picked = [PROMPT_LENGTHS.index(n) for n in lengths]
         llm = _llm(checkpoint, max_running_requests=len(picked), max_prefill_tokens=budget)
         outputs = llm.generate([prompts[i] for i in picked], SamplingParams(max_new_tokens=MAX_NEW_TOKENS))
+        expected = reference_tokens(checkpoint)
         problems += token_problems(
             f"max_prefill_tokens={budget}", outputs, [prompts[i] for i in picked], [expected[i] for i in picked]
         )
@@ -319,10 +328,11 @@ def check_decode_chunked(checkpoint: str | Path, budgets: Sequence[int] = CHUNK_
 
 def check_decode_slot_reuse(checkpoint: str | Path, num_slots: int = 3) -> None:
     """12 requests through 3 slots: staggered lengths and max_new_tokens, arriving in two generate calls."""
-    prompts, expected = shared_prompts(checkpoint), reference_tokens(checkpoint)
+    prompts = shared_prompts(checkpoint)
     llm = _llm(checkpoint, max_running_requests=num_slots, max_prefill_tokens=128)
     if llm.memory_plan.max_running_requests != num_slots:
-        raise CheckFailed(f"the engine planned {llm.memory_plan.max_running_requests} slots; the check needs {num_slots}")
+        planned = llm.memory_plan.max_running_requests
+        raise CheckFailed(f"the engine planned {planned} request slots; the check needs {num_slots}")
     # Greedy generation is a prefix: the first n tokens of a longer run are the run of n tokens.
     order = [7, 0, 5, 1, 6, 2, 3, 4, 6, 1, 7, 3]
     new_tokens = [2 + (i * 5) % (MAX_NEW_TOKENS - 1) for i in range(len(order))]
@@ -330,6 +340,7 @@ def check_decode_slot_reuse(checkpoint: str | Path, num_slots: int = 3) -> None:
     for batch in (slice(0, 7), slice(7, None)):
         picked, limits = order[batch], new_tokens[batch]
         outputs = llm.generate([prompts[i] for i in picked], [SamplingParams(max_new_tokens=n) for n in limits])
+        expected = reference_tokens(checkpoint)
         problems += token_problems(
             f"generate call {1 + (batch.start > 0)}",
             outputs,
@@ -354,7 +365,7 @@ def check_state_poisoned(checkpoint: str | Path, num_slots: int = 5) -> None:
     again), then six requests through the same slots. The engine is stepped by hand to see which slot each request
     has.
     """
-    prompts, expected = shared_prompts(checkpoint), reference_tokens(checkpoint)
+    prompts = shared_prompts(checkpoint)
     llm = _llm(checkpoint, max_running_requests=num_slots, max_prefill_tokens=256)
     engine, pool = llm.engine, llm.engine.state_pool
     generator = torch.Generator().manual_seed(1)
@@ -368,6 +379,7 @@ def check_state_poisoned(checkpoint: str | Path, num_slots: int = 5) -> None:
             engine.step()
             used |= {req.table_idx for req in reqs if req.table_idx >= 0}
         outputs = [Output(req.output_ids, req.prefix_hit_len, req.finish_reason, req.error) for req in reqs]
+        expected = reference_tokens(checkpoint)
         problems += token_problems(label, outputs, [prompts[i] for i in picked], [expected[i] for i in picked])
         after = _snapshot(pool)
         touched = [s for s in range(num_slots) if s not in used and _slot_values(after, s) != _slot_values(before, s)]
@@ -377,11 +389,13 @@ def check_state_poisoned(checkpoint: str | Path, num_slots: int = 5) -> None:
 
 
 def bfloat16_agreement(checkpoint: str | Path) -> tuple[int, int, int, int]:
-    """(tokens agreeing before the first difference, tokens, requests identical, requests): a4 vs transformers in bf16."""
-    prompts, expected = shared_prompts(checkpoint), reference_tokens(checkpoint, "bfloat16")
+    """a4 against transformers, both in bfloat16, on shared_prompts.
+
+    Returns (tokens that agree before each request's first difference, tokens, requests identical, requests).
+    """
+    prompts = shared_prompts(checkpoint)
     outputs = _llm(checkpoint, dtype="bfloat16").generate(prompts, SamplingParams(max_new_tokens=MAX_NEW_TOKENS))
-    agreeing = 0
-    for out, want in zip(outputs, expected):
-        agreeing += next((j for j, (a, b) in enumerate(zip(out.token_ids, want)) if a != b), min(len(out.token_ids), len(want)))
+    expected = reference_tokens(checkpoint, "bfloat16")
+    agreeing = sum(first_difference(out.token_ids, want) for out, want in zip(outputs, expected))
     identical = sum(out.token_ids == want for out, want in zip(outputs, expected))
     return agreeing, sum(len(want) for want in expected), identical, len(prompts)

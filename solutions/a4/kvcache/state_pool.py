@@ -63,7 +63,7 @@ class StatePool:
             raise ValueError(f"{config.architecture} has no Gated DeltaNet layers: it needs no StatePool")
         if not isinstance(num_slots, int) or num_slots <= 0:
             raise ValueError(f"StatePool: num_slots must be a positive integer, got {num_slots!r}")
-        # BEGIN SOLUTION state-pool-alloc 05_state_pool: allocate the conv and recurrent states of every slot and GDN layer
+        # BEGIN SOLUTION state-pool-alloc 05_state_pool: the zero-filled conv and recurrent states of every GDN layer
         num_layers = len(config.linear_attention_layers)
         self._conv = torch.zeros(
             (num_layers, num_slots, config.conv_dim, config.linear_conv_kernel_dim - 1), dtype=dtype, device=device

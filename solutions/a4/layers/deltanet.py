@@ -44,7 +44,7 @@ def causal_conv1d_prefill(
     Output t of a channel is silu(sum_j weight[j] * input[t - (K-1) + j]), the inputs before the sequence's first
     token taken from its conv state. Everything in x's dtype, as transformers' causal_conv1d_fn computes it.
     """
-    # BEGIN SOLUTION gdn-conv-prefill 04_gated_deltanet: causal depthwise conv1d + silu per sequence, from its conv state
+    # BEGIN SOLUTION gdn-conv-prefill 04_gated_deltanet: causal depthwise conv1d + silu per sequence, from its state
     kernel = weight.shape[-1]
     outputs, new_states = [], []
     for state, x_i in zip(conv_states, x.split(seq_lens)):
@@ -143,9 +143,9 @@ def intra_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
     # Above the diagonal (j > i) stretch is 0, not a decay: mask it to exp(-inf) = 0 there.
     decay = stretch.masked_fill_(above_or_on.triu(1), float("-inf")).exp_()  # [n, H, C, C]
     exp_g = decay[..., :, 0] * g[..., :1].exp()  # exp(G_i) = exp(g_0) exp(G_i - G_0)
-    # The beta's and exp(G)'s scale rows or columns of C x C matrices, never the [C, d] operands: C < d, so this is
-    # less arithmetic. Only the strictly lower triangle of `system` is read: solve_triangular(unitriangular=True)
-    # takes the diagonal as ones, which makes it I + A.
+    # beta and exp(G) scale rows or columns of the C x C matrices where the formulas allow it, rather than the [C, d]
+    # operands: less arithmetic, as C <= d. Only the strictly lower triangle of `system` is read:
+    # solve_triangular(unitriangular=True) takes the diagonal as ones, which makes it I + A.
     system = (k @ k.transpose(-1, -2)).mul_(decay).mul_(beta[..., :, None])
     identity = torch.eye(chunk, dtype=k.dtype, device=k.device)
     # One triangular solve for the inverse, then matmuls: on CPU, LAPACK's batched trsm runs one small matrix at a
@@ -171,7 +171,7 @@ def chunk_gated_delta_rule(
     beta: torch.Tensor,
     cu_seqlens: torch.Tensor,
     initial_state: torch.Tensor,
-    chunk_size: int = 64,
+    chunk_size: int = 32,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The gated delta rule in chunks of `chunk_size` tokens, for a flattened batch of B sequences (prefill).
 
@@ -182,13 +182,16 @@ def chunk_gated_delta_rule(
     Returns (o [T, H, dv], final_state [B, H, dk, dv]): the same as running `recurrent_gated_delta_rule` on each
     sequence alone, to float32 rounding.
 
+    The default chunk size is the fastest on CPU at Qwen3.5's shapes: the within-chunk work per token grows with
+    chunk_size, the sequential work per token does not (transformers and flash-linear-attention use 64; the results
+    agree to float32 rounding either way).
+
     Each sequence is cut into chunks of chunk_size tokens (its last chunk padded). `intra_chunk` does the
     within-chunk work of many chunks in batched matrix products; only the state update from one chunk to the next is
     sequential. Speed matters: on CPU this is >= 4x the recurrence and faster than transformers' chunked form, at
     the same tokens/s for any sequence length.
     """
-    # BEGIN SOLUTION gdn-chunked 04_gated_deltanet: the chunked gated delta rule over a varlen batch, state across chunks
-    num_heads, dk, dv = k.shape[1], k.shape[2], v.shape[2]
+    # BEGIN SOLUTION gdn-chunked 04_gated_deltanet: the chunked gated delta rule, varlen batch, state across chunks
     bounds = cu_seqlens.tolist()
     # Every chunk of every sequence, in token order, as (sequence, first token, end token).
     chunks = [
@@ -317,7 +320,8 @@ class GatedDeltaNet(nn.Module):
         state_in = recurrent_state[slots].masked_fill_(fresh[:, None, None, None], 0)
         if fb.phase == "decode":
             # One token per request: the requests are the batch of the recurrence.
-            o, state_out = recurrent_gated_delta_rule(q[:, None], k[:, None], v[:, None], g[:, None], beta[:, None], state_in)
+            one_token = (x[:, None] for x in (q, k, v, g, beta))  # [B, 1, ...]
+            o, state_out = recurrent_gated_delta_rule(*one_token, state_in)
             o = o[:, 0]
         else:
             cu_seqlens = torch.tensor([0, *fb.extend_lens], device=hidden.device).cumsum(0)
