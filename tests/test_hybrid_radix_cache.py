@@ -53,6 +53,17 @@ def test_checkpoints_are_evicted_least_recently_used_first(ckpt):
     checks.check_eviction(ckpt)
 
 
+def test_page_size_16_pauses_the_prefill_at_the_prompts_last_page_boundary(ckpt):
+    # 40 tokens in pages of 16: the state after 40 tokens cannot be kept (its last page is partial), the one after
+    # 32 can, if the prefill stops there; after 4 generated tokens the request has fed 43 tokens: not aligned either.
+    llm = LLM(ckpt, page_size=16)
+    prompt = checks.random_prompt(random.Random(8), checks.allowed_tokens(ckpt), 40)
+    out = llm.generate([prompt], SamplingParams(max_new_tokens=4))[0]
+    assert out.token_ids == checks.reference_tokens(ckpt, [prompt], 4)[0]
+    assert llm.stats.prefill_steps == 2 and llm.stats.prefill_tokens == 40
+    assert [tokens for tokens, _ in llm.engine.cache_manager.prefix_cache.checkpoints()] == [prompt[:32]]
+
+
 def test_checkpoint_is_the_default_policy(ckpt):
     from a4.kvcache.hybrid_radix_cache import HybridRadixCache
 

@@ -21,7 +21,8 @@ work is comparisons and pointer chasing, which the accelerator cannot speed up.
 
 `NoPrefixCache` has the same interface and caches nothing (`enable_prefix_cache=False`): the scheduler uses either
 without knowing which. A hybrid model's cache (`HybridRadixCache`, notebook 07) subclasses RadixCache and also keeps
-copies of request states on some nodes, through the `save_state` / `restore_state` hooks that the others ignore.
+copies of request states on some nodes, through hooks that the others leave empty (`save_state`, `restore_state`,
+`prefill_pause`).
 """
 
 from __future__ import annotations
@@ -93,13 +94,17 @@ class BasePrefixCache(ABC):
     def protected_size(self) -> int:
         """Tokens held by locked nodes: in use by running requests."""
 
-    # A hybrid model's cache also keeps copies of request states (HybridRadixCache, notebook 07). KV alone needs
-    # neither hook: the KV of a matched prefix is all an all-attention model needs to continue.
+    # A hybrid model's cache also keeps copies of request states (HybridRadixCache, notebook 07). KV alone needs none
+    # of these hooks: the KV of a matched prefix is all an all-attention model needs to continue.
     def save_state(self, token_ids: Sequence[int], slot: int) -> None:
         """The request slot `slot` holds the state after exactly token_ids (just inserted): keep a copy for hits."""
 
     def restore_state(self, handle: CacheHandle, slot: int) -> None:
         """A request admitted with the match `handle` into `slot`: give the slot the state saved where it ends."""
+
+    def prefill_pause(self, prompt_len: int) -> int:
+        """Where a prompt's prefill should pause so that the state there can be saved; prompt_len: nowhere."""
+        return prompt_len
 
 
 class NoPrefixCache(BasePrefixCache):

@@ -62,6 +62,10 @@ class CacheManager:
         """Give a request just admitted with a prefix hit (req.cache_handle) the state saved where the hit ends."""
         self.prefix_cache.restore_state(req.cache_handle, req.table_idx)
 
+    def prefill_pause(self, req: Req) -> int:
+        """The prompt position where the request's prefill should pause for the cache (its length: nowhere)."""
+        return self.prefix_cache.prefill_pause(len(req.input_ids))
+
     def pages_to_finish(self, req: Req, cached_len: int) -> int:
         """Pages the request still needs, from cached_len tokens in the pool to its longest possible length.
 
@@ -100,10 +104,11 @@ class CacheManager:
         table_idx, stored = req.table_idx, req.cached_len
         old_handle = req.cache_handle
         row = self.table_manager.read(table_idx, 0, stored)
-        result = self.prefix_cache.insert_prefix(req.all_ids[:stored], row)
-        # The slot's state is the state after exactly the `stored` tokens fed: a chunk boundary, the end of the
-        # prompt, or (finished) everything but the last sampled token, the prefix of a multi-turn chat's next turn.
-        self.prefix_cache.save_state(req.all_ids[:stored], table_idx)
+        fed = req.all_ids[:stored]
+        result = self.prefix_cache.insert_prefix(fed, row)
+        # The slot's state is the state after exactly the tokens fed: a chunk boundary, the end of the prompt, or
+        # (finished) everything but the last sampled token, the prefix of a multi-turn chat's next turn.
+        self.prefix_cache.save_state(fed, table_idx)
         duplicates = slice(old_handle.cached_len, result.prefix_len)
         self.allocator.free_locations(row[duplicates])
         self.table_manager.write(table_idx, old_handle.cached_len, result.locations[duplicates])

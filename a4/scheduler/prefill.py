@@ -7,7 +7,9 @@ from it under a token budget (`max_prefill_tokens`), as in mini-sglang:
   stops the step: letting later, smaller requests overtake it could starve it forever.
 - A request whose remaining prompt exceeds the budget left gets only a chunk. It keeps its slot and its pages, is
   not sampled (its last prompt token has not been seen yet), and goes back to the front of the queue so that it
-  resumes first in the next prefill step. Only the last request of a step can be cut, so at most one is in flight.
+  resumes first in the next prefill step. Only the last request of a step is cut for the budget. A request is also
+  cut where the prefix cache asks to pause it (`prefill_pause`: a hybrid model with page_size > 1 pauses at its
+  prompt's last page boundary, the one place where it can save the prompt's state); it resumes like a chunk.
 
 Admission policy (why decode never runs out of memory): a request is admitted only if the memory that can be made
 available (free pages + evictable cache pages) covers its worst case, prompt + max_new_tokens, on top of the worst
@@ -46,6 +48,9 @@ class PrefillAdder:
         if not admitted and not self._admit(req):
             return False
         extend_len = min(self.token_budget, req.extend_len)
+        pause = self.cache_manager.prefill_pause(req)
+        if req.cached_len < pause < req.cached_len + extend_len:
+            extend_len = pause - req.cached_len
         self.token_budget -= extend_len
         self.reqs.append(req)
         self.extend_lens.append(extend_len)

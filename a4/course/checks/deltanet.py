@@ -25,7 +25,6 @@ from a4.checkpoints import tiny_checkpoint
 from a4.course.checks import conclude
 from a4.course.checks.gated_attention import (
     DTYPES,
-    RELATIVE_TOLERANCE,
     SlotTable,
     a4_config,
     compare,
@@ -33,6 +32,7 @@ from a4.course.checks.gated_attention import (
     dtype_name,
     kv_pool_for,
     randn,
+    shape_problems,
 )
 from a4.models.config import LINEAR_ATTENTION, ModelConfig
 
@@ -48,12 +48,6 @@ CHUNK_SIZES = (16, 32, 64)
 CHUNKED_LENGTHS = (1, 2, 15, 16, 17, 33, 63, 64, 65, 100, 129, 300)
 VARLEN_SEQ_LENS = [5, 64, 1, 130, 17]
 NUM_SLOTS = 4
-
-
-def shape_problems(what: str, tensor: torch.Tensor, shape: tuple[int, ...]) -> list[str]:
-    if tuple(tensor.shape) == tuple(shape):
-        return []
-    return [f"{what}: shape {tuple(tensor.shape)}, expected {tuple(shape)}"]
 
 
 # ------------------------------------------------------------------------------------------------ the causal conv
@@ -112,7 +106,8 @@ def check_conv_decode(conv_decode: Callable) -> None:
             y, new_state = conv_decode(x, weight, hf_state[:, :, 1:].clone())
             expected = causal_conv1d_update(x[:, :, None], hf_state, weight.squeeze(1), activation="silu")[:, :, 0]
             problems += compare_dtype(f"{label}, output", y, expected, elementwise=True)
-            if shape_problems("", new_state, (batch, channels, kernel - 1)) or not torch.equal(new_state, hf_state[:, :, 1:]):
+            expected_state = hf_state[:, :, 1:]  # transformers updated its state in place
+            if new_state.shape != expected_state.shape or not torch.equal(new_state, expected_state):
                 problems.append(f"{label}: the new conv state must be the last {kernel - 1} inputs (old state + x)")
     conclude(problems, "the decode conv matches transformers' causal_conv1d_update, and the new states are right")
 
@@ -196,7 +191,11 @@ def check_intra_chunk(intra_chunk: Callable) -> None:
         label = f"chunks of {chunk}"
         shapes = {"u": v.shape, "w": k.shape, "attn": (*g.shape, chunk), "q_decayed": q.shape,
                   "k_decayed": k.shape, "chunk_decay": g.shape[:2]}  # fmt: skip
-        wrong = [p for name, shape in shapes.items() for p in shape_problems(f"{label}: {name}", getattr(terms, name), shape)]
+        wrong = [
+            problem
+            for name, shape in shapes.items()
+            for problem in shape_problems(f"{label}: {name}", getattr(terms, name), shape)
+        ]
         if wrong:
             problems += wrong
             continue
@@ -206,7 +205,8 @@ def check_intra_chunk(intra_chunk: Callable) -> None:
             zero_deltas, _ = naive_chunk(q[i], k[i], v[i], g[i], beta[i], torch.zeros(HEADS, DK, DV))
             deltas, _ = naive_chunk(q[i], k[i], v[i], g[i], beta[i], s0[i])
             problems += compare(f"{where}: u (the deltas from a zero state)", terms.u[i], zero_deltas, 1e-5)
-            problems += compare(f"{where}: u - w @ S0 (the deltas from state S0)", terms.u[i] - terms.w[i] @ s0[i], deltas, 1e-5)
+            from_s0 = terms.u[i] - terms.w[i] @ s0[i]
+            problems += compare(f"{where}: u - w @ S0 (the deltas from state S0)", from_s0, deltas, 1e-5)
         # The decay factors from their definitions, in float64: G_i = g_0 + ... + g_i.
         G = g.double().cumsum(-1)
         causal = torch.ones(chunk, chunk, dtype=torch.bool).tril()
@@ -350,10 +350,9 @@ class LayerPair:
         for slot, cache in self.caches.items():
             layer = cache.layers[0]
             # transformers keeps the last K conv inputs, a4 the last K-1: compare the overlap.
-            problems += compare_dtype(f"{label}, slot {slot}, conv state", self.conv_state[slot], layer.conv_states[0][0, :, 1:])
-            problems += compare_dtype(
-                f"{label}, slot {slot}, recurrent state", self.recurrent_state[slot], layer.recurrent_states[0][0]
-            )
+            conv, recurrent = layer.conv_states[0][0, :, 1:], layer.recurrent_states[0][0]
+            problems += compare_dtype(f"{label}, slot {slot}, conv state", self.conv_state[slot], conv)
+            problems += compare_dtype(f"{label}, slot {slot}, recurrent state", self.recurrent_state[slot], recurrent)
         return problems
 
 
@@ -368,7 +367,7 @@ def state_tensors(config: ModelConfig, num_slots: int, dtype: torch.dtype) -> tu
 
 
 # The layer scenario: slots 3 and 0 still hold an earlier request's states (slot 0: NaN), which the new requests
-# there must not read; three requests prefilled together (one of a single token, one longer than two chunks of 64),
+# there must not read; three requests prefilled together (one of a single token, one spanning several chunks),
 # the long one continued by a second prefill chunk; then three decode steps of all three.
 FIRST_PREFILL = {3: 70, 0: 1, 1: 129}
 SECOND_CHUNK = {1: 37}
@@ -382,13 +381,15 @@ def run_layer_scenario(layer_class: type, shape_name: str, dtype: torch.dtype) -
     pair.conv_state[3], pair.recurrent_state[3] = 1e3, 1e3
     label = f"{shape_name}, {dtype_name(dtype)}"
     problems = {"prefill": [], "decode": [], "states": []}
-    prefill = pair.step(FIRST_PREFILL, seed=1)
-    problems["prefill"] += compare_dtype(f"{label}, prefill of 3 requests (lengths 70, 1, 129)", *prefill)
+    lengths = ", ".join(map(str, FIRST_PREFILL.values()))
+    first = pair.step(FIRST_PREFILL, seed=1)
+    problems["prefill"] += compare_dtype(f"{label}, prefill of requests of {lengths} tokens", *first)
     problems["states"] += pair.state_problems(f"{label}, after the prefill")
-    problems["prefill"] += compare_dtype(f"{label}, second prefill chunk (37 tokens)", *pair.step(SECOND_CHUNK, seed=2))
+    second = pair.step(SECOND_CHUNK, seed=2)
+    problems["prefill"] += compare_dtype(f"{label}, second prefill chunk of {SECOND_CHUNK[1]} tokens", *second)
     for i in range(DECODE_STEPS):
-        step = {slot: 1 for slot in FIRST_PREFILL}
-        problems["decode"] += compare_dtype(f"{label}, decode step {i + 1} of 3 requests", *pair.step(step, seed=10 * i))
+        outputs = pair.step({slot: 1 for slot in FIRST_PREFILL}, seed=10 * i)
+        problems["decode"] += compare_dtype(f"{label}, decode step {i + 1} of 3 requests", *outputs)
     problems["states"] += pair.state_problems(f"{label}, after {DECODE_STEPS} decode steps")
     return problems
 
@@ -454,12 +455,12 @@ class ModelRunner:
 
 
 MODEL_PROMPT = [3, 141, 59, 265, 358, 979, 323, 846, 264, 338, 327, 950]
-DECODE_STEPS_MODEL = 10
+MODEL_DECODE_STEPS = 10
 
 
 def check_model_logits() -> None:
-    """a4's Qwen3.5 (your layers, E's model) on the tiny checkpoint, float32: the logits of every prompt position and
-    of ten greedy decode steps against transformers, and the greedy tokens against its `generate`."""
+    """a4's Qwen3.5 (your layers in a4's model) on the tiny checkpoint, float32: the logits of every prompt position
+    and of ten greedy decode steps against transformers, and the greedy tokens against its `generate`."""
     from a4.models.registry import load_model
     from a4.reference import cached_hf_model
 
@@ -470,7 +471,7 @@ def check_model_logits() -> None:
     with torch.no_grad():
         expected_prefill = hf(input_ids).logits[0].float()
         generated = hf.generate(
-            input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=DECODE_STEPS_MODEL + 1,
+            input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=MODEL_DECODE_STEPS + 1,
             do_sample=False, temperature=None, top_k=None, top_p=None, output_logits=True,
             return_dict_in_generate=True,
         )  # fmt: skip

@@ -52,10 +52,16 @@ PAGE_SIZE = 4
 # ----------------------------------------------------------------------------------------------------- comparisons
 
 
+def shape_problems(what: str, tensor: torch.Tensor, shape: tuple[int, ...]) -> list[str]:
+    if tuple(tensor.shape) == tuple(shape):
+        return []
+    return [f"{what}: shape {tuple(tensor.shape)}, expected {tuple(shape)}"]
+
+
 def compare(what: str, ours: torch.Tensor, expected: torch.Tensor, tolerance: float) -> list[str]:
     """[] when `ours` has the reference's shape and is within `tolerance` x its largest magnitude, else one problem."""
-    if tuple(ours.shape) != tuple(expected.shape):
-        return [f"{what}: shape {tuple(ours.shape)}, expected {tuple(expected.shape)}"]
+    if wrong_shape := shape_problems(what, ours, expected.shape):
+        return wrong_shape
     scale = expected.double().abs().max().item()
     error = (ours.double() - expected.double()).abs().max().item()
     if not error <= tolerance * scale:  # also catches NaN
@@ -83,6 +89,10 @@ def compare_dtype(
                 f"rounds differently; allowed: {MAX_BF16_ROUNDING_SHARE:.0%})"
             )
     return problems
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return next(name for name, d in DTYPES.items() if d == dtype)
 
 
 def randn(*shape: int, seed: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -203,7 +213,8 @@ def check_zero_centred_norm(norm_class: type) -> None:
             ours.to(dtype)
             x = 4 * randn(9, 3, dim, seed=dim + 1, dtype=dtype)
             with torch.no_grad():
-                problems += compare_dtype(f"dim {dim}, eps {eps:g}, {dtype_name}", ours(x), reference(x), elementwise=True)
+                label = f"dim {dim}, eps {eps:g}, {dtype_name}"
+                problems += compare_dtype(label, ours(x), reference(x), elementwise=True)
     conclude(problems, "the zero-centred RMSNorm matches transformers' Qwen3_5RMSNorm in float32 and bfloat16")
 
 
@@ -241,7 +252,7 @@ def check_partial_rope(apply_partial_rope) -> None:
                 ours = apply_partial_rope(x, cos, sin)
                 problems += compare_dtype(f"{label}, {name}", ours, expected[0].transpose(0, 1), elementwise=True)
                 if ours.shape == x.shape and not torch.equal(ours[..., rotary_dim:], x[..., rotary_dim:]):
-                    problems.append(f"{label}, {name}: dims {rotary_dim}..47 changed; they must pass through as they are")
+                    problems.append(f"{label}, {name}: dims {rotary_dim}..47 changed; they must pass through as is")
     conclude(problems, "partial RoPE matches transformers for 3 rotary fractions in float32 and bfloat16")
 
 
@@ -271,7 +282,8 @@ class AttentionPair:
         self.dtype = dtype
         self.hidden_size = config.hidden_size
         self.rope = RotaryEmbedding(config.rotary_dim, config.rope_theta, 256)
-        self.pool = KVPool(2, 4 * 256 // PAGE_SIZE, PAGE_SIZE, config.num_key_value_heads, config.head_dim, dtype, "cpu")
+        num_pages = 4 * 256 // PAGE_SIZE
+        self.pool = KVPool(2, num_pages, PAGE_SIZE, config.num_key_value_heads, config.head_dim, dtype, "cpu")
         self.table = SlotTable(self.pool.num_locations)
         self.caches: dict[int, Any] = {}
 
@@ -305,9 +317,9 @@ class AttentionPair:
         problems = []
         for slot, cache in self.caches.items():
             locations = self.table.locations(slot)
-            layer = cache.layers[0]
-            problems += compare_dtype(f"{label}, slot {slot}, keys", k_buf[locations], layer.keys[0].transpose(0, 1))
-            problems += compare_dtype(f"{label}, slot {slot}, values", v_buf[locations], layer.values[0].transpose(0, 1))
+            keys, values = (x[0].transpose(0, 1) for x in (cache.layers[0].keys, cache.layers[0].values))
+            problems += compare_dtype(f"{label}, slot {slot}, keys", k_buf[locations], keys)
+            problems += compare_dtype(f"{label}, slot {slot}, values", v_buf[locations], values)
         return problems
 
 
@@ -326,14 +338,10 @@ def run_batched_pair(attention_class: type, dtype: torch.dtype) -> dict[str, lis
     problems["prefill"] += compare_dtype(f"{label}, prefill of 3 requests", *pair.step(FIRST_PREFILL, seed=1))
     problems["prefill"] += compare_dtype(f"{label}, second prefill chunk", *pair.step(SECOND_CHUNK, seed=2))
     for i in range(DECODE_STEPS):
-        step = {slot: 1 for slot in FIRST_PREFILL}
-        problems["decode"] += compare_dtype(f"{label}, decode step {i + 1} of 3 requests", *pair.step(step, seed=10 * i))
+        outputs = pair.step({slot: 1 for slot in FIRST_PREFILL}, seed=10 * i)
+        problems["decode"] += compare_dtype(f"{label}, decode step {i + 1} of 3 requests", *outputs)
     problems["kv"] += pair.kv_problems(label)
     return problems
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return next(name for name, d in DTYPES.items() if d == dtype)
 
 
 # ---------------------------------------------------------------------- the tiny checkpoint, layer by layer
@@ -347,7 +355,6 @@ class TinyRun:
     """Every full-attention layer of the tiny checkpoint run by a4 on transformers' inputs: a prefill of PROMPT and
     one decode step, all layers sharing one KV pool as in the engine."""
 
-    config: ModelConfig
     full_layers: tuple[int, ...]
     prefill: dict[int, tuple[torch.Tensor, torch.Tensor]]  # model layer -> (a4's output, transformers' output)
     decode: dict[int, tuple[torch.Tensor, torch.Tensor]]
@@ -383,7 +390,7 @@ def run_tiny_checkpoint(attention_class: type, dtype: torch.dtype) -> TinyRun:
     for layer in config.full_attention_layers:
         layers[layer] = attention_class(config, pool_layer=pool_layers[layer]).to(dtype)
         layers[layer].load_state_dict(hf.model.language_model.layers[layer].self_attn.state_dict())
-    run = TinyRun(config, config.full_attention_layers, {}, {}, {}, pool, table.locations(slot))
+    run = TinyRun(config.full_attention_layers, {}, {}, {}, pool, table.locations(slot))
     # Layer after layer within a step, as the model runs them: a layer that wrote into another's pool layer during
     # the prefill would find the wrong keys there in the decode step.
     with torch.no_grad():
@@ -447,8 +454,8 @@ def check_kv_pool_keys(attention_class: type) -> None:
 # ------------------------------------------------------------------------------- one pool for the whole model
 
 
-# Layer patterns: the tiny checkpoint's, the 0.8B model's (6 full-attention layers of 24) and one that starts with
-# full attention.
+# Layer patterns besides the tiny checkpoint's: the 0.8B model's (6 full-attention layers of 24) and one that starts
+# with full attention.
 LAYER_PATTERNS = {
     "0.8B pattern (3 GDN, 1 full) x 6": ([LINEAR_ATTENTION] * 3 + [FULL_ATTENTION]) * 6,
     "full attention first": [FULL_ATTENTION, LINEAR_ATTENTION, FULL_ATTENTION, FULL_ATTENTION, LINEAR_ATTENTION],
@@ -457,7 +464,7 @@ LAYER_PATTERNS = {
 
 def check_kv_pool_layers(attention_class: type) -> None:
     """A KV pool with one layer per full-attention layer, shared by all of them: each model layer's keys land in its
-    own pool layer (its rank among the full-attention layers) and nowhere else; no pool layer is left unwritten."""
+    own pool layer (its rank among the full-attention layers, counted from transformers' config) and nowhere else."""
     problems = []
     run = run_tiny_checkpoint(attention_class, torch.float32)
     problems += _pool_layout_problems("tiny checkpoint", run.pool, run.full_layers, run.locations, run.expected_kv)
@@ -524,5 +531,5 @@ def _pattern_problems(attention_class: type, label: str, layer_types: list[str])
         with torch.no_grad():
             ours(hidden, cos, sin, fb)
             reference(hidden[None], (hf_cos[None], hf_sin[None]), mask, cache=cache)
-        expected_kv[layer] = (cache.layers[layer].keys[0].transpose(0, 1), cache.layers[layer].values[0].transpose(0, 1))
+        expected_kv[layer] = tuple(x[0].transpose(0, 1) for x in (cache.layers[layer].keys, cache.layers[layer].values))
     return _pool_layout_problems(label, pool, config.full_attention_layers, table.locations(0), expected_kv)

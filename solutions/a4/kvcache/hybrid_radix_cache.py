@@ -20,7 +20,8 @@ nodes of the ordinary radix tree:
   its checkpoint too.
 
 With page_size > 1 the tree holds whole pages only, so a state can be saved only where the saved sequence ends on a
-page boundary: elsewhere the KV of its last, partial page would not be in the tree to match.
+page boundary: elsewhere the KV of its last, partial page would not be in the tree to match. So that every prompt
+leaves one such state, the scheduler pauses a prefill at the prompt's last page boundary (`prefill_pause`).
 """
 
 from __future__ import annotations
@@ -115,6 +116,12 @@ class HybridRadixCache(RadixCache):
         while len(self._checkpoints) > self.max_checkpoints:
             self._checkpoints.popitem(last=False)
         # END SOLUTION
+
+    def prefill_pause(self, prompt_len: int) -> int:
+        """The prompt's last page boundary. A state can be saved only on a page boundary, and the prompt's own end
+        rarely is one: pausing the prefill there leaves a state the next turn of a chat can resume from (vLLM's
+        "align" mode cuts its chunks at block boundaries for the same reason). With page_size 1: no pause."""
+        return self._align_down(prompt_len) or prompt_len
 
     def evict(self, num_tokens: int) -> torch.Tensor:
         """RadixCache.evict; the checkpoints of the evicted nodes go with their KV (they could never be hit again)."""

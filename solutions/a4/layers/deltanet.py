@@ -211,10 +211,12 @@ def chunk_gated_delta_rule(
 
         def to_chunks(x: torch.Tensor) -> torch.Tensor:
             """[T, H, ...] -> [n, H, chunk_size, ...] for this group's chunks, zero-padded (so g = beta = 0)."""
-            out = x.new_empty(len(group), x.shape[1], chunk_size, *x.shape[2:])
+            first, stop = group[0][1], group[-1][2]
+            if stop - first == len(group) * chunk_size:  # all chunks full (the usual case): one copy
+                return x[first:stop].unflatten(0, (len(group), chunk_size)).transpose(1, 2).contiguous()
+            out = x.new_zeros(len(group), x.shape[1], chunk_size, *x.shape[2:])
             for i, (_, start, end) in enumerate(group):
                 out[i, :, : end - start] = x[start:end].transpose(0, 1)
-                out[i, :, end - start :] = 0
             return out
 
         terms = intra_chunk(*(to_chunks(x) for x in (q, k, v, g, beta)))
