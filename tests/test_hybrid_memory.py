@@ -211,25 +211,44 @@ def measured_pool_bytes(engine) -> int:
 
 
 @pytest.mark.parametrize(
-    "slots_budget, tokens_budget, page_size, max_running_requests, fraction",
-    [(3, 40, 1, 8, None), (3, 200, 1, 4, None), (6, 300, 4, 8, None), (20, 8, 4, 8, 0.3)],
+    "slots_budget, tokens_budget, page_size, max_running_requests, fraction, checkpoints",
+    [(3, 40, 1, 8, None, 0), (3, 200, 1, 4, None, 2), (6, 300, 4, 8, None, 16), (20, 8, 4, 8, 0.3, 3)],
 )
 def test_engine_pools_hold_kv_for_full_attention_only_and_fit_the_budget(
-    ckpt, tiny, slots_budget, tokens_budget, page_size, max_running_requests, fraction
+    ckpt, tiny, slots_budget, tokens_budget, page_size, max_running_requests, fraction, checkpoints
 ):
     _, c = tiny
     slot, page = c["table"] + c["state"], page_size * c["kv"]
-    budget = slots_budget * slot + tokens_budget * c["kv"]
+    # The prefix cache's state checkpoints (one slot's state each) come out of the budget before slots and pages.
+    budget = checkpoints * c["state"] + slots_budget * slot + tokens_budget * c["kv"]
     engine = LLM(ckpt, memory_budget_bytes=budget, max_running_requests=max_running_requests, page_size=page_size,
-                 state_fraction=fraction).engine
-    slots = min(max_running_requests, (budget - page) // slot)
+                 state_fraction=fraction, max_state_checkpoints=checkpoints).engine
+    rest = budget - checkpoints * c["state"]
+    slots = min(max_running_requests, (rest - page) // slot)
     if fraction is not None:
-        slots = min(slots, int(budget * fraction) // slot)
+        slots = min(slots, int(rest * fraction) // slot)
     raw = preset_config("qwen3_5", "tiny")["text_config"]
+    assert engine.memory_plan.checkpoint_bytes == checkpoints * c["state"]
     assert engine.kv_pool.num_layers == raw["layer_types"].count("full_attention")
     assert engine.table_manager.max_running_requests == engine.state_pool.conv_state(0).shape[0] == slots
-    assert engine.kv_pool.num_pages == (budget - slots * slot) // page
-    assert measured_pool_bytes(engine) <= budget
+    assert engine.kv_pool.num_pages == (rest - slots * slot) // page
+    assert measured_pool_bytes(engine) + checkpoints * c["state"] <= budget
+
+
+def test_hybrid_slots_first_needs_no_notebook_06_exercise():
+    """Serving Qwen3.5 with the default plan needs notebooks 01-05 only; a state_fraction asks for notebook 06."""
+    code = (
+        "import sys\n"
+        "from a4 import LLM\n"
+        "from a4.checkpoints import tiny_checkpoint\n"
+        "LLM(tiny_checkpoint('qwen3_5'))\n"
+        "assert 'a4.engine.hybrid_memory' not in sys.modules\n"
+        "LLM(tiny_checkpoint('qwen3_5'), state_fraction=0.5)\n"
+        "assert 'a4.engine.hybrid_memory' in sys.modules\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=os.environ.copy(), capture_output=True,
+                         text=True)
+    assert run.returncode == 0, run.stderr
 
 
 PROMPTS = [[11, 12, 13, 14, 15, 16], [21, 22, 23, 24, 25, 26, 27, 28, 29], [31, 32, 33, 34, 35, 36, 37]]

@@ -56,14 +56,18 @@ def runners(length: int) -> dict[str, Callable[[], object]]:
     }
 
 
-def median_seconds(run: Callable[[], object], repeats: int) -> float:
-    run()  # warm-up: first-call allocations and library initialisation are not what we measure
-    times = []
+def median_seconds(runs: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
+    """Median wall time of each run. The runs take turns (one of each per round) so that a burst of load from other
+    processes slows all of them alike instead of one method's whole series."""
+    for run in runs.values():
+        run()  # warm-up: first-call allocations and library initialisation are not what we measure
+    times: dict[str, list[float]] = {name: [] for name in runs}
     for _ in range(repeats):
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        for name, run in runs.items():
+            start = time.perf_counter()
+            run()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def print_table(results: list[dict]) -> None:
@@ -108,7 +112,7 @@ def main(quick: bool = False, out_dir: Path | None = None) -> dict:
     lengths, repeats = ((128, 512), 1) if quick else ((512, 2048, 8192), 5)
     results = []
     for length in lengths:
-        seconds = {method: median_seconds(run, repeats) for method, run in runners(length).items()}
+        seconds = median_seconds(runners(length), repeats)
         rates = {method: length / s for method, s in seconds.items()}
         results.append(
             {
@@ -127,7 +131,7 @@ def main(quick: bool = False, out_dir: Path | None = None) -> dict:
         "dtype": "float32",
         "threads": torch.get_num_threads(),
         "repeats": repeats,
-        "statistic": "median wall time after one warm-up run",
+        "statistic": "median wall time after one warm-up run, the methods taking turns",
         "results": results,
     }
     if out_dir is not None:

@@ -16,7 +16,6 @@ aside in the memory plan (`_checkpoint_bytes`); "refuse" never reuses a prefix.
 
 from __future__ import annotations
 
-import functools
 import operator
 import time
 from dataclasses import dataclass, replace
@@ -53,8 +52,9 @@ class EngineConfig:
     page_size: int = 1
     enable_prefix_cache: bool = True
     memory_budget_bytes: int | None = None
-    # Hybrid models: the largest share of the budget that request slots (with their states) may take, the rest
-    # going to KV pages; None: `max_running_requests` slots first (see a4/engine/hybrid_memory.py).
+    # Hybrid models: the largest share of the budget (of what the state checkpoints leave) that request slots, with
+    # their states, may take, the rest going to KV pages (`plan_hybrid_memory`, notebook 06); None:
+    # `max_running_requests` slots first (`plan_memory`).
     state_fraction: float | None = None
     # Hybrid models: how the prefix cache reuses prefixes (HYBRID_PREFIX_POLICIES), and under "checkpoint" how many
     # state checkpoints it keeps at most (least recently used evicted first; their bytes come out of the budget).
@@ -159,26 +159,27 @@ class Engine:
         self._next_uid = 0
 
     def _plan_memory(self) -> tuple[MemoryLedger, MemoryPlan]:
-        """The model's ledger, and the split of the budget between request slots and KV pages.
+        """The model's ledger, and the split of the budget between state checkpoints, request slots and KV pages.
 
-        An all-attention model is planned by `plan_memory` (slots first); a hybrid one, whose slots also hold their
-        Gated DeltaNet states, by `plan_hybrid_memory` with the configured `state_fraction`.
+        The prefix cache's state checkpoints, if it keeps any, are set aside first (`_checkpoint_bytes`); the rest
+        goes to slots first (`plan_memory`), or, for a hybrid model given a `state_fraction`, to slots capped at that
+        share of it (`plan_hybrid_memory`, notebook 06). A hybrid slot also holds its Gated DeltaNet states
+        (`StatePool.bytes_per_slot`, notebook 05), so serving Qwen3.5 with the defaults needs notebooks 01-05 only.
         """
         config, model_config, dtype = self.config, self.model_config, self.config.torch_dtype
+        state_bytes_per_slot = 0
         if model_config.is_hybrid:
-            # Imported only for hybrid models: the hybrid plan (notebook 06) and the StatePool it counts (notebook
-            # 05) are exercises, and serving Qwen3 must not depend on them.
-            from a4.engine.hybrid_memory import hybrid_ledger, plan_hybrid_memory
+            # Imported only for hybrid models: the StatePool is an exercise (notebook 05), and serving Qwen3 must not
+            # depend on it.
+            from a4.kvcache.state_pool import StatePool
 
-            ledger = hybrid_ledger(model_config, dtype)
-            plan = functools.partial(plan_hybrid_memory, state_fraction=config.state_fraction)
-        else:
-            if config.state_fraction is not None:
-                raise ValueError(
-                    f"state_fraction {config.state_fraction} applies to hybrid models only: "
-                    f"{model_config.architecture} keeps no state per request"
-                )
-            ledger, plan = MemoryLedger.from_config(model_config, dtype), plan_memory
+            state_bytes_per_slot = StatePool.bytes_per_slot(model_config, dtype)
+        elif config.state_fraction is not None:
+            raise ValueError(
+                f"state_fraction {config.state_fraction} applies to hybrid models only: "
+                f"{model_config.architecture} keeps no state per request"
+            )
+        ledger = MemoryLedger.from_config(model_config, dtype, state_bytes_per_slot=state_bytes_per_slot)
         budget = config.memory_budget_bytes or default_budget_bytes(
             ledger,
             max_running_requests=config.max_running_requests,
@@ -186,13 +187,20 @@ class Engine:
             device=self.device,
         )
         checkpoint_bytes = self._checkpoint_bytes(ledger, budget)
-        memory_plan = plan(
-            model_config,
+        split = dict(
             budget_bytes=budget - checkpoint_bytes,
             page_size=config.page_size,
             dtype=dtype,
             max_running_requests=config.max_running_requests,
         )
+        if config.state_fraction is None:
+            memory_plan = plan_memory(model_config, state_bytes_per_slot=state_bytes_per_slot, **split)
+        else:
+            # Imported only when a state share is asked for: it is an exercise (notebook 06), and slots first does
+            # not need it.
+            from a4.engine.hybrid_memory import plan_hybrid_memory
+
+            memory_plan = plan_hybrid_memory(model_config, state_fraction=config.state_fraction, **split)
         return ledger, replace(memory_plan, budget_bytes=budget, checkpoint_bytes=checkpoint_bytes)
 
     @property

@@ -7,9 +7,11 @@ Two kinds of memory grow with the work the engine takes on:
 
 `plan_memory` gives the slots what they need first (fewer slots if even that does not fit) and turns the rest of
 the budget into whole KV pages. Only the full-attention layers count toward KV bytes, so a hybrid model (Qwen3.5,
-one layer in four) gets KV only where it needs it. A hybrid model is planned by `plan_hybrid_memory`
-(hybrid_memory.py, notebook 06), which counts the states and can cap the slots' share of the budget before handing
-over to `plan_memory`. Model weights are not part of the budget: they are loaded before the plan is made.
+one layer in four) gets KV only where it needs it; its slots are planned the same way once their state is counted
+(`StatePool.bytes_per_slot`, notebook 05), or capped at a share of the budget by `plan_hybrid_memory`
+(hybrid_memory.py, notebook 06). Before either, the engine sets aside the bytes of the state checkpoints its prefix
+cache may keep (notebook 07): `MemoryPlan.checkpoint_bytes`. Model weights are not part of the budget: they are
+loaded before the plan is made.
 """
 
 from __future__ import annotations
@@ -98,13 +100,16 @@ class MemoryPlan:
             f"KV per token      {ledger.kv_bytes_per_token:,} B",
             f"per request slot  {ledger.bytes_per_slot:,} B (table row {ledger.table_bytes_per_slot:,} B"
             f" + state {ledger.state_bytes_per_slot:,} B)",
+        ]
+        if self.checkpoint_bytes:
+            # Listed first: set aside before the slots and pages share the rest.
+            count = self.checkpoint_bytes // ledger.state_bytes_per_slot
+            lines.append(f"state checkpoints {count} = {_mib(self.checkpoint_bytes)} (kept by the prefix cache)")
+        lines += [
             f"request slots     {self.max_running_requests} = {_mib(self.slot_bytes)}",
             f"KV pool           {self.num_pages:,} pages of {self.page_size} = {self.num_tokens:,} tokens"
             f" = {_mib(self.kv_bytes)}",
         ]
-        if self.checkpoint_bytes:
-            count = self.checkpoint_bytes // ledger.state_bytes_per_slot
-            lines.append(f"state checkpoints {count} = {_mib(self.checkpoint_bytes)} (kept by the prefix cache)")
         return "\n".join(lines)
 
 

@@ -294,17 +294,32 @@ def pool_bytes(engine: Engine) -> dict[str, int]:
 
 
 def engine_cases(fig: Figures) -> list[dict[str, Any]]:
-    """LLM settings whose slots are limited by the budget, by max_running_requests and by state_fraction."""
-    slot, token = fig.slot_bytes, fig.kv_bytes_per_token
+    """LLM settings whose slots are limited by the budget, by max_running_requests and by state_fraction.
+
+    The prefix cache is on (the default), so the engine first sets aside `max_state_checkpoints` states for it
+    (notebook 07) unless hybrid_prefix_policy is "refuse"; the budgets are sized to hold them.
+    """
+    slot, token, state = fig.slot_bytes, fig.kv_bytes_per_token, fig.state_bytes_per_slot
     return [
-        dict(memory_budget_bytes=3 * slot + 200 * token, max_running_requests=8, page_size=1, state_fraction=None),
-        dict(memory_budget_bytes=6 * slot + 300 * token, max_running_requests=8, page_size=4, state_fraction=None),
-        dict(memory_budget_bytes=20 * slot + 8 * token, max_running_requests=16, page_size=4, state_fraction=0.3),
+        dict(memory_budget_bytes=3 * slot + 200 * token, max_running_requests=8, page_size=1, state_fraction=None,
+             hybrid_prefix_policy="refuse"),
+        dict(memory_budget_bytes=2 * state + 6 * slot + 300 * token, max_running_requests=8, page_size=4,
+             state_fraction=None, hybrid_prefix_policy="checkpoint", max_state_checkpoints=2),
+        dict(memory_budget_bytes=16 * state + 20 * slot + 8 * token, max_running_requests=16, page_size=4,
+             state_fraction=0.3, hybrid_prefix_policy="checkpoint", max_state_checkpoints=16),
     ]
 
 
+def expected_checkpoint_bytes(fig: Figures, case: dict[str, Any]) -> int:
+    """What the engine sets aside for the prefix cache's state checkpoints: one slot's state each."""
+    if case["hybrid_prefix_policy"] == "refuse":
+        return 0
+    return case["max_state_checkpoints"] * fig.state_bytes_per_slot
+
+
 def check_engine_memory(model_dir: str | Path) -> None:
-    """The engine's pools for the tiny model: KV only for full attention, slots and pages as planned, within budget."""
+    """The engine's plan and pools for the tiny model: state checkpoints set aside first, KV only for full attention,
+    slots and pages as planned in what the checkpoints leave, within the budget."""
     from a4 import LLM
 
     fig = figures(json.loads((Path(model_dir) / "config.json").read_text()), torch.float32)
@@ -313,13 +328,21 @@ def check_engine_memory(model_dir: str | Path) -> None:
     for case in cases:
         label = ", ".join(f"{k}={v}" for k, v in case.items())
         engine = LLM(model_dir, dtype="float32", **case).engine
+        budget, checkpoint_bytes = case["memory_budget_bytes"], expected_checkpoint_bytes(fig, case)
+        # Slots and pages share what the checkpoints leave.
         slots, pages = expected_split(
             fig,
-            budget_bytes=case["memory_budget_bytes"],
+            budget_bytes=budget - checkpoint_bytes,
             page_size=case["page_size"],
             max_running_requests=case["max_running_requests"],
             state_fraction=case["state_fraction"],
         )
+        plan = engine.memory_plan
+        if (plan.budget_bytes, plan.checkpoint_bytes) != (budget, checkpoint_bytes):
+            problems.append(
+                f"{label}: expected a plan of {budget:,} B with {checkpoint_bytes:,} B set aside for state "
+                f"checkpoints, got {plan.budget_bytes:,} B and {plan.checkpoint_bytes:,} B"
+            )
         if engine.kv_pool.num_layers != fig.full_layers:
             problems.append(
                 f"{label}: the KV pool has {engine.kv_pool.num_layers} layers, the model has {fig.full_layers} "
@@ -333,9 +356,16 @@ def check_engine_memory(model_dir: str | Path) -> None:
         if engine.kv_pool.num_locations != pages * case["page_size"]:
             problems.append(f"{label}: expected {pages} pages, the KV pool has {engine.kv_pool.num_pages}")
         measured = pool_bytes(engine)
-        if sum(measured.values()) > case["memory_budget_bytes"]:
-            problems.append(f"{label}: the pools hold {sum(measured.values()):,} B ({measured}), over the budget")
-    conclude(problems, f"{len(cases)} engines: KV pool layers = full-attention layers, pools within the budget")
+        if sum(measured.values()) + checkpoint_bytes > budget:
+            problems.append(
+                f"{label}: the pools hold {sum(measured.values()):,} B ({measured}), over what the "
+                f"{checkpoint_bytes:,} B of state checkpoints leave of the budget"
+            )
+    conclude(
+        problems,
+        f"{len(cases)} engines: state checkpoints set aside, KV pool layers = full-attention layers, pools within "
+        "the budget",
+    )
 
 
 # --------------------------------------------------------------------------------------------------- admission
@@ -400,21 +430,29 @@ def admission_settings(model_dir: str | Path, limit: str) -> dict[str, Any]:
                 memory_budget_bytes=budget)
 
 
-def check_admission(model_dir: str | Path) -> None:
-    """Three requests where only two fit (by slots, then by pages): one waits, and every token equals transformers'."""
+def check_admission(plan_hybrid_memory: Callable[..., MemoryPlan], model_dir: str | Path) -> None:
+    """Three requests where only two fit (by slots, then by pages): your plan and the engine's hold the slots and
+    pages computed here, a request waits, and every token equals transformers'."""
     from a4 import LLM
     from a4.reference import hf_greedy
 
+    config = load_model_config(model_dir)
+    fig = figures(json.loads((Path(model_dir) / "config.json").read_text()), torch.float32)
     prompts = [list(p) for p in ADMISSION_PROMPTS]
     reference = hf_greedy(model_dir, prompts, ADMISSION_NEW_TOKENS)
     problems = []
     for limit in ("slots", "pages"):
-        llm = LLM(model_dir, **admission_settings(model_dir, limit))
-        plan = llm.memory_plan
-        want_slots = 2 if limit == "slots" else 3
-        if plan.max_running_requests != want_slots:
-            problems.append(f"limit {limit}: the plan has {plan.max_running_requests} slots, the budget holds "
-                            f"{want_slots}")
+        settings = admission_settings(model_dir, limit)
+        split = dict(budget_bytes=settings["memory_budget_bytes"], page_size=settings["page_size"],
+                     max_running_requests=settings["max_running_requests"])
+        want_split = expected_split(fig, **split, state_fraction=None)
+        yours = plan_hybrid_memory(config, dtype=torch.float32, **split)
+        llm = LLM(model_dir, **settings)
+        plans = {"your plan_hybrid_memory": yours, "the engine": llm.memory_plan}
+        wrong = [f"{name} gives {(plan.max_running_requests, plan.num_pages)}" for name, plan in plans.items()
+                 if (plan.max_running_requests, plan.num_pages) != want_split]
+        if wrong:
+            problems.append(f"limit {limit}: expected (slots, pages) = {want_split}, but " + " and ".join(wrong))
             continue
         reqs, trace = run_traced(llm, prompts, SamplingParams(max_new_tokens=ADMISSION_NEW_TOKENS))
         for req, want in zip(reqs, reference):
@@ -427,5 +465,5 @@ def check_admission(model_dir: str | Path) -> None:
         waited = [row for row in trace if row.waiting and (row.free_slots == 0) == (limit == "slots")]
         if not waited:
             problems.append(f"limit {limit}: no step shows a request waiting for {limit}")
-    conclude(problems, "two memory limits (slots, pages): a request waited each time, then all three finished "
-                       "with transformers' tokens")
+    conclude(problems, "two memory limits (slots, pages): planned as computed here, a request waited each time, "
+                       "then all three finished with transformers' tokens")

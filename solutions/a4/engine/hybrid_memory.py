@@ -8,10 +8,12 @@ A hybrid model (Qwen3.5) pays for memory in two currencies that come out of one 
 So a slot is expensive and a token is cheap, and the plan must choose how many of each. Two policies:
 - slots first (`state_fraction=None`, the default): `max_running_requests` slots (fewer if the budget cannot hold
   them beside one KV page), and everything else as KV pages. `plan_memory` (memory_plan.py) does exactly this once
-  the state is counted in the slot's cost.
+  the state is counted in the slot's cost, and the engine calls it directly.
 - a share for the slots (`state_fraction=f`): the slots may take at most f of the budget, so that a large
   `max_running_requests` cannot starve the KV pool; the rest is KV pages. SGLang splits its memory by a ratio the
-  same way (`--mamba-full-memory-ratio r` = state bytes / KV bytes, that is f = r / (1 + r)).
+  same way (`--mamba-full-memory-ratio r` = state bytes / KV bytes, that is f = r / (1 + r)). The engine calls
+  `plan_hybrid_memory` for this policy (`LLM(..., state_fraction=f)`), with what its prefix cache's state
+  checkpoints leave of the budget.
 """
 
 from __future__ import annotations

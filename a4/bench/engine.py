@@ -1,0 +1,315 @@
+"""Benchmark: a4's engine against transformers' `generate`, on the same Qwen3.5-0.8B-shape checkpoint.
+
+Three workloads, in float32 and in bfloat16, each run by both systems side by side (one a4 run, then one
+transformers run, and again), greedy, end of sequence ignored so that every request makes all its tokens:
+- prefill: one 512-token prompt, one new token; tokens/s = 512 / median wall time of the runs (time to first token);
+- decode at batch 1: one 128-token prompt, 64 new tokens; tokens/s = 1 / median time of a decode step;
+- decode at batch 8: 8 prompts of 16, 32, ..., 128 tokens, 64 new tokens each; tokens/s = 8 / median time of a
+  decode step. a4 batches them its own way (no padding); transformers gets one left-padded batch.
+A decode step is timed from outside: a4's `Engine.step()` (scheduling, forward, sampling), and for transformers the
+time between two consecutive calls of a logits processor (forward and the rest of `generate`'s loop).
+
+Memory: a4's peak resident memory (the RSS high-water mark from `resource.getrusage`) above what the process held
+before the model was loaded, against the weights and the pools the memory plan allocated. It is read after a4 has
+run every workload once and before transformers is loaded; each dtype runs in a fresh process, so that each peak
+is its own.
+
+    python -m a4 bench engine [--quick] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import resource
+import statistics
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from a4.checkpoints import make_checkpoint
+
+DTYPES = ("float32", "bfloat16")
+SYSTEMS = ("a4", "transformers")
+WORKLOADS = ("prefill", "decode batch 1", "decode batch 8")
+
+
+@dataclass(frozen=True)
+class Workload:
+    prefill_len: int  # the prompt of the prefill workload
+    decode_len: int  # the prompt of the batch-1 decode workload
+    batch_lens: tuple[int, ...]  # the prompts of the batched decode workload
+    new_tokens: int  # generated per request in both decode workloads
+    repeats: int  # prefill runs per system after the warm-up
+
+    @staticmethod
+    def full() -> Workload:
+        return Workload(512, 128, tuple(range(16, 129, 16)), new_tokens=64, repeats=3)
+
+    @staticmethod
+    def quick() -> Workload:
+        return Workload(32, 16, tuple(range(4, 33, 4)), new_tokens=8, repeats=1)
+
+
+def max_rss_bytes() -> int:
+    """The process's resident-set high-water mark (ru_maxrss is in KiB on Linux, in bytes on macOS)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
+
+
+def random_prompts(lengths: tuple[int, ...], vocab_size: int, stop_tokens: tuple[int, ...], seed: int) -> list:
+    gen = torch.Generator().manual_seed(seed)
+    prompts = []
+    for length in lengths:
+        ids = torch.randint(0, vocab_size, (length,), generator=gen)
+        # A stop token in the prompt changes nothing here, but keeping prompts free of them keeps them ordinary.
+        prompts.append([token if token not in stop_tokens else token - 1 for token in ids.tolist()])
+    return prompts
+
+
+class A4Runner:
+    """a4's engine, driven step by step so that each decode step can be timed."""
+
+    def __init__(self, model_dir: Path, dtype: str, max_prefill_tokens: int) -> None:
+        from a4 import LLM
+
+        self.llm = LLM(model_dir, dtype=dtype, max_running_requests=8, max_prefill_tokens=max_prefill_tokens)
+
+    def prefill(self, prompt: list[int]) -> None:
+        from a4 import SamplingParams
+
+        self.llm.generate([prompt], SamplingParams(max_new_tokens=1, ignore_eos=True))
+
+    def decode_step_seconds(self, prompts: list[list[int]], new_tokens: int) -> list[float]:
+        """Wall time of every decode step while the prompts generate new_tokens each (prefill steps left out)."""
+        from a4 import SamplingParams
+
+        engine = self.llm.engine
+        params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
+        reqs = [engine.add_request(prompt, params) for prompt in prompts]
+        seconds = []
+        while not all(req.finished for req in reqs):
+            decode_steps = engine.stats.decode_steps
+            start = time.perf_counter()
+            engine.step()
+            if engine.stats.decode_steps > decode_steps:
+                seconds.append(time.perf_counter() - start)
+        return seconds
+
+    def memory(self) -> dict[str, int]:
+        """Bytes of the weights, of the pools as allocated and as planned."""
+        engine = self.llm.engine
+        weights = sum(p.nbytes for p in engine.model.parameters())  # a tied lm_head is one parameter, counted once
+        pools = engine.kv_pool.total_bytes + engine.table_manager.req_to_token.nbytes
+        if engine.state_pool is not None:
+            pools += engine.state_pool.total_bytes
+        return {"weights": weights, "pools_allocated": pools, "pools_planned": engine.memory_plan.used_bytes}
+
+
+class TransformersRunner:
+    """transformers' `generate` on the same checkpoint (its default attention, sdpa)."""
+
+    def __init__(self, model_dir: Path, dtype: str) -> None:
+        import transformers
+        from transformers import LogitsProcessor
+
+        transformers.utils.logging.disable_progress_bar()
+        transformers.utils.logging.set_verbosity_error()  # its note on the missing fla kernels comes with every call
+        architecture = json.loads((Path(model_dir) / "config.json").read_text())["architectures"][0]
+        # Not a4.reference's model: that one runs "eager" attention, for exact references; users get sdpa.
+        model_class = getattr(transformers, architecture)
+        self.model = model_class.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
+
+        class Clock(LogitsProcessor):
+            """Called once per generated token, just after the forward that produced its logits."""
+
+            def __init__(self) -> None:
+                self.times: list[float] = []
+
+            def __call__(self, input_ids, scores):
+                self.times.append(time.perf_counter())
+                return scores
+
+        self.clock_class = Clock
+
+    def generate(self, prompts: list[list[int]], new_tokens: int) -> list[float]:
+        """Left-pad the prompts into one batch, generate; the times at which each token's logits were ready."""
+        longest = max(len(p) for p in prompts)
+        pad = 0
+        input_ids = torch.tensor([[pad] * (longest - len(p)) + p for p in prompts])
+        attention_mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in prompts])
+        clock = self.clock_class()
+        with torch.no_grad():
+            self.model.generate(
+                input_ids,
+                attention_mask=attention_mask,
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,  # as a4's ignore_eos: every request makes all its tokens
+                do_sample=False,
+                temperature=None,
+                top_k=None,
+                top_p=None,
+                pad_token_id=pad,
+                logits_processor=[clock],
+            )
+        return clock.times
+
+    def prefill(self, prompt: list[int]) -> None:
+        self.generate([prompt], 1)
+
+    def decode_step_seconds(self, prompts: list[list[int]], new_tokens: int) -> list[float]:
+        times = self.generate(prompts, new_tokens)
+        return [later - earlier for earlier, later in zip(times, times[1:])]
+
+
+def measure(model_dir: str, dtype: str, workload: Workload, threads: int) -> dict:
+    """Both systems on every workload in one dtype. Runs in a fresh process (see the module docstring)."""
+    from a4.models.config import load_model_config
+
+    torch.set_num_threads(threads)
+    config = load_model_config(model_dir)
+    lengths = (workload.prefill_len, workload.decode_len, *workload.batch_lens)
+    prefill_prompt, decode_prompt, *batch = random_prompts(lengths, config.vocab_size, config.eos_token_ids, seed=0)
+
+    baseline = max_rss_bytes()
+    a4 = A4Runner(model_dir, dtype, max_prefill_tokens=max(workload.prefill_len, sum(workload.batch_lens)))
+    # Warm-up: every workload once (first-call costs), which is also everything a4 will allocate.
+    a4.prefill(prefill_prompt)
+    a4.decode_step_seconds([decode_prompt], 2)
+    a4.decode_step_seconds(batch, 2)
+    memory = {**a4.memory(), "peak_rss_above_baseline": max_rss_bytes() - baseline}
+    memory["peak_over_weights_and_planned_pools"] = memory["peak_rss_above_baseline"] / (
+        memory["weights"] + memory["pools_planned"]
+    )
+
+    hf = TransformersRunner(model_dir, dtype)
+    hf.prefill(prefill_prompt)
+    hf.decode_step_seconds([decode_prompt], 2)
+
+    runners = {"a4": a4, "transformers": hf}
+    prefill_seconds: dict[str, list[float]] = {name: [] for name in SYSTEMS}
+    for _ in range(workload.repeats):
+        for name, runner in runners.items():
+            start = time.perf_counter()
+            runner.prefill(prefill_prompt)
+            prefill_seconds[name].append(time.perf_counter() - start)
+    decode_seconds: dict[str, dict[str, list[float]]] = {name: {} for name in SYSTEMS}
+    for label, prompts in (("decode batch 1", [decode_prompt]), ("decode batch 8", batch)):
+        for name, runner in runners.items():
+            decode_seconds[name][label] = runner.decode_step_seconds(prompts, workload.new_tokens)
+
+    tokens_per_s = {
+        name: {
+            "prefill": workload.prefill_len / statistics.median(prefill_seconds[name]),
+            "decode batch 1": 1 / statistics.median(decode_seconds[name]["decode batch 1"]),
+            "decode batch 8": len(batch) / statistics.median(decode_seconds[name]["decode batch 8"]),
+        }
+        for name in SYSTEMS
+    }
+    return {
+        "tokens_per_s": tokens_per_s,
+        "a4_over_transformers": {w: tokens_per_s["a4"][w] / tokens_per_s["transformers"][w] for w in WORKLOADS},
+        "prefill_seconds": prefill_seconds,
+        "decode_step_seconds": decode_seconds,
+        "memory": memory,
+    }
+
+
+def print_table(report: dict) -> None:
+    print(
+        f"a4 vs transformers, {report['shapes']} (random weights), {report['threads']} CPU threads: tokens/s "
+        "(prefill: median of the runs; decode: median step)"
+    )
+    print(f"{'dtype':>9} {'workload':>15} {'a4':>10} {'transformers':>13} {'a4 / transformers':>18}")
+    for dtype, result in report["results"].items():
+        for workload in WORKLOADS:
+            rates = [result["tokens_per_s"][name][workload] for name in SYSTEMS]
+            ratio = result["a4_over_transformers"][workload]
+            print(f"{dtype:>9} {workload:>15} {rates[0]:>10.1f} {rates[1]:>13.1f} {ratio:>17.2f}x")
+    for dtype, result in report["results"].items():
+        m = result["memory"]
+        print(
+            f"a4 memory, {dtype}: peak RSS {gib(m['peak_rss_above_baseline'])} above the process before loading; "
+            f"weights {gib(m['weights'])} + pools planned {gib(m['pools_planned'])} (allocated "
+            f"{gib(m['pools_allocated'])}): peak / (weights + planned pools) = {m['peak_over_weights_and_planned_pools']:.2f}"
+        )
+
+
+def gib(num_bytes: float) -> str:
+    return f"{num_bytes / 2**30:.2f} GiB"
+
+
+def draw(report: dict, axes) -> None:
+    """Throughput bars (a4 beside transformers) and a4's memory against weights + pools, on two matplotlib axes."""
+    rates_ax, memory_ax = axes
+    labels = [f"{workload}\n{dtype}" for dtype in report["results"] for workload in WORKLOADS]
+    width = 0.4
+    for offset, name in ((-width / 2, "a4"), (width / 2, "transformers")):
+        rates = [r["tokens_per_s"][name][w] for r in report["results"].values() for w in WORKLOADS]
+        bars = rates_ax.bar([i + offset for i in range(len(labels))], rates, width, label=name)
+        if name == "a4":
+            ratios = [r["a4_over_transformers"][w] for r in report["results"].values() for w in WORKLOADS]
+            rates_ax.bar_label(bars, [f"{x:.2f}x" for x in ratios], fontsize=7)
+    rates_ax.set_xticks(range(len(labels)), labels, fontsize=7)
+    rates_ax.set_ylabel("tokens/s")
+    rates_ax.set_title("throughput (labels: a4 / transformers)", loc="left", fontsize=10)
+    rates_ax.legend(fontsize=8)
+
+    dtypes = list(report["results"])
+    memory = [report["results"][d]["memory"] for d in dtypes]
+    weights = [m["weights"] / 2**30 for m in memory]
+    pools = [m["pools_planned"] / 2**30 for m in memory]
+    memory_ax.bar(dtypes, weights, label="weights")
+    memory_ax.bar(dtypes, pools, bottom=weights, label="pools (planned)")
+    memory_ax.scatter(dtypes, [m["peak_rss_above_baseline"] / 2**30 for m in memory], color="black", zorder=3,
+                      label="peak RSS (above baseline)")  # fmt: skip
+    memory_ax.set_ylabel("GiB")
+    memory_ax.set_title("a4's memory", loc="left", fontsize=10)
+    memory_ax.legend(fontsize=8)
+
+
+def plot(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4), gridspec_kw={"width_ratios": [3, 1]})
+    draw(report, axes)
+    fig.suptitle(f"a4 vs transformers on CPU, {report['shapes']}", fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(quick: bool = False, out_dir: Path | None = None) -> dict:
+    """Measure, print the table, write engine.json and engine.png into out_dir (when given); returns the JSON."""
+    workload = Workload.quick() if quick else Workload.full()
+    preset = "tiny" if quick else "0.8b"
+    model_dir = make_checkpoint(None, "qwen3_5", preset=preset)
+    threads = torch.get_num_threads()
+    results = {}
+    for dtype in DTYPES:
+        # A fresh process per dtype: one dtype's memory high-water mark must not include the other's.
+        with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
+            results[dtype] = pool.submit(measure, str(model_dir), dtype, workload, threads).result()
+    report = {
+        "benchmark": "engine",
+        "shapes": f"Qwen3.5-{preset}",
+        "threads": threads,
+        "workload": asdict(workload),
+        "statistic": "prefill: median wall time of the runs after a warm-up run; decode: median step of one run",
+        "results": results,
+    }
+    print_table(report)
+    if out_dir is not None:
+        out_dir = Path(out_dir)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "engine.json").write_text(json.dumps(report, indent=2) + "\n")
+        plot(report, out_dir / "engine.png")
+        print(f"wrote {out_dir / 'engine.json'} and {out_dir / 'engine.png'}")
+    return report
