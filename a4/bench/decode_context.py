@@ -12,7 +12,8 @@ not. Measured at Qwen3.5-0.8B's shapes (random weights, float32, one request), a
 
 Nothing is prefilled: the KV pool is filled with random keys and values (what they are does not change the work),
 and the request's next token is fed at position `context`. Each figure is the median wall time of several runs after
-a warm-up run; a least-squares line through each series gives its slope, in ms per 1k tokens of context.
+a warm-up run, the two layers (and the two models) taking turns; a least-squares line through each series gives its
+slope, in ms per 1k tokens of context.
 
     python -m a4 bench decode_context [--quick] [--out DIR]
 """
@@ -108,24 +109,45 @@ def layer_step_seconds(
     for context in contexts:
         fb = decode_batch(context, kv_pool)
         cos, sin = rotary_emb(fb.positions, dtype)
-        times["GDN layer"].append(median_seconds(lambda: gdn(hidden, fb, conv_state, recurrent_state), repeats))
-        times["attention layer"].append(median_seconds(lambda: attention(hidden, cos, sin, fb), repeats))
+        runs = {
+            "GDN layer": lambda: gdn(hidden, fb, conv_state, recurrent_state),
+            "attention layer": lambda: attention(hidden, cos, sin, fb),
+        }
+        for name, seconds in median_seconds(runs, repeats).items():
+            times[name].append(seconds)
     return times
 
 
 @torch.inference_mode()
-def model_step_seconds(model_dir: Path, contexts: tuple[int, ...], repeats: int) -> list[float]:
-    """Decode-step time of a whole model (embedding to logits) at each context, for one request; seconds."""
-    device = torch.device("cpu")
-    config, model, _ = load_model(model_dir, dtype=DTYPE, device=device, progress=False)
-    kv_pool = random_kv_pool(config, len(config.full_attention_layers), max(contexts) + 1, DTYPE, device)
-    state_pool = None
-    if config.is_hybrid:
-        # Imported here: the StatePool is an exercise (notebook 05); its zeros cost the same work as any state.
-        from a4.kvcache.state_pool import StatePool
+def model_step_seconds(model_dirs: dict[str, Path], contexts: tuple[int, ...], repeats: int) -> dict[str, list[float]]:
+    """Decode-step time (seconds) of whole models, embedding to logits, at each context, for one request.
 
-        state_pool = StatePool(config, 1, DTYPE, device)
-    return [median_seconds(lambda: model(decode_batch(n, kv_pool, state_pool)), repeats) for n in contexts]
+    All the models are loaded at once and take turns at each context, so that a slow spell of the machine hits all.
+    """
+    device = torch.device("cpu")
+    steps = {}
+    for name, model_dir in model_dirs.items():
+        config, model, _ = load_model(model_dir, dtype=DTYPE, device=device, progress=False)
+        kv_pool = random_kv_pool(config, len(config.full_attention_layers), max(contexts) + 1, DTYPE, device)
+        state_pool = None
+        if config.is_hybrid:
+            # Imported here: the StatePool is an exercise (notebook 05); its zeros cost the same work as any state.
+            from a4.kvcache.state_pool import StatePool
+
+            state_pool = StatePool(config, 1, DTYPE, device)
+        steps[name] = (model, kv_pool, state_pool)
+
+    times: dict[str, list[float]] = {name: [] for name in model_dirs}
+    for context in contexts:
+        runs = {
+            name: lambda model=model, kv_pool=kv_pool, state_pool=state_pool: model(
+                decode_batch(context, kv_pool, state_pool)
+            )
+            for name, (model, kv_pool, state_pool) in steps.items()
+        }
+        for name, seconds in median_seconds(runs, repeats).items():
+            times[name].append(seconds)
+    return times
 
 
 def slope_ms_per_1k(contexts: tuple[int, ...], seconds: list[float]) -> float:
@@ -196,12 +218,11 @@ def main(quick: bool = False, out_dir: Path | None = None) -> dict:
     layer_times = layer_step_seconds(
         config, gdn, attention, model.model.rotary_emb, layer_contexts, repeats=3 * repeats
     )
-    del model  # one model in memory at a time: at 32k tokens the all-attention KV pool alone is 3 GiB
+    del model, gdn, attention, decoder_layers
 
-    model_times = {
-        MODELS[0]: model_step_seconds(hybrid_dir, model_contexts, repeats),
-        MODELS[1]: model_step_seconds(all_attention_dir, model_contexts, repeats),
-    }
+    model_times = model_step_seconds(
+        {MODELS[0]: hybrid_dir, MODELS[1]: all_attention_dir}, model_contexts, repeats
+    )
     gdn_layers = len(config.linear_attention_layers)
     report = {
         "benchmark": "decode_context",

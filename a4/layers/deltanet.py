@@ -17,8 +17,9 @@ sequential corrections are folded into a few matrix products (the WY / UT transf
 chunk to chunk. Both agree with transformers' `torch_recurrent_gated_delta_rule` and `torch_chunk_gated_delta_rule`
 to float32 rounding.
 
-All functions take a flattened batch: the tokens of every request in one row, request i's tokens after those of
-request i-1, as in a4's ForwardBatch.
+The layer, the conv and the chunked form work on a flattened batch: the tokens of every request in one row, request
+i's tokens after those of request i-1, as in a4's ForwardBatch. The recurrence takes B sequences of equal length,
+which is what a decode step is (one token each).
 """
 
 from __future__ import annotations
@@ -135,8 +136,9 @@ def chunk_gated_delta_rule(
 
     Each sequence is cut into chunks of chunk_size tokens (its last chunk padded). `intra_chunk` does the
     within-chunk work of many chunks in batched matrix products; only the state update from one chunk to the next is
-    sequential. Speed matters: on CPU this is >= 4x the recurrence and faster than transformers' chunked form, at
-    the same tokens/s for any sequence length.
+    sequential. Speed matters, and `python -m a4 bench gdn` measures it: on CPU, at Qwen3.5-0.8B's shapes, the
+    reference solution runs about 3x as many tokens/s as the recurrence and as transformers' chunked form, and the
+    same tokens/s at any sequence length.
     """
     raise NotImplementedError("Exercise gdn-chunked: the chunked gated delta rule, varlen batch, state across chunks (notebooks/04_gated_deltanet.ipynb)")
 
