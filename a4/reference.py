@@ -1,8 +1,9 @@
 """transformers as ground truth: greedy generations and per-layer captures that a4's checks compare against.
 
-`hf_greedy` is the reference of every token-by-token check. `hf_prefill_capture` and `hf_decode_capture` record,
-for one sequence, what each decoder layer's mixer (self_attn / linear_attn) and MLP read and wrote, the logits and
-the cache transformers keeps (keys after k_norm and RoPE, GDN conv and recurrent states), for layer-level checks.
+`hf_greedy` (and `hf_greedy_with_logits`, which also returns the logits that chose each token) is the reference of
+every token-by-token check. `hf_prefill_capture` and `hf_decode_capture` record, for one sequence, what each decoder
+layer's mixer (self_attn / linear_attn) and MLP read and wrote, the logits and the cache transformers keeps (keys
+after k_norm and RoPE, GDN conv and recurrent states), for layer-level checks.
 
 transformers swaps in flash-linear-attention and causal-conv1d kernels when they are importable, which changes the
 numerics; this module refuses to run if either is installed. Attention runs with transformers' "eager"
@@ -14,6 +15,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import json
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -36,6 +38,11 @@ def assert_reference_environment() -> None:
 
 
 assert_reference_environment()
+
+# transformers warns, once per function, that it runs its PyTorch GDN code because flash-linear-attention and
+# causal-conv1d are not installed, and advises installing them. Here that PyTorch code IS the reference (the kernels
+# would change its numerics), so the advice is noise that contradicts the course.
+logging.getLogger("transformers.integrations.hub_kernels").setLevel(logging.ERROR)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -89,24 +96,35 @@ def hf_greedy(
     a stop token, when hit, is the last element of its list.
     """
     model = cached_hf_model(model_dir, dtype)
-    outputs = []
+    return [_greedy_generate(model, prompt, max_new_tokens)[0, len(prompt) :].tolist() for prompt in prompts]
+
+
+def hf_greedy_with_logits(
+    model_dir: str | Path, prompt: list[int], max_new_tokens: int, dtype: str | torch.dtype = "float32"
+) -> tuple[list[int], torch.Tensor]:
+    """`hf_greedy` of one prompt, with the logits that chose each new token: (new tokens, float32 logits [n, vocab])."""
+    model = cached_hf_model(model_dir, dtype)
+    generated = _greedy_generate(model, prompt, max_new_tokens, output_logits=True, return_dict_in_generate=True)
+    return generated.sequences[0, len(prompt) :].tolist(), torch.cat(generated.logits).float()
+
+
+def _greedy_generate(model: torch.nn.Module, prompt: list[int], max_new_tokens: int, **outputs: bool) -> object:
+    """transformers' greedy `generate` of one prompt alone (no padding); `outputs`: what it returns besides tokens."""
+    if not prompt:
+        raise ValueError("hf_greedy: empty prompt")
+    input_ids = torch.tensor([prompt], dtype=torch.long)
     with torch.no_grad():
-        for prompt in prompts:
-            if not prompt:
-                raise ValueError("hf_greedy: empty prompt")
-            input_ids = torch.tensor([prompt], dtype=torch.long)
-            generated = model.generate(
-                input_ids,
-                attention_mask=torch.ones_like(input_ids),
-                max_new_tokens=max_new_tokens,
-                do_sample=False,
-                # The checkpoints' sampling defaults do not apply to greedy decoding.
-                temperature=None,
-                top_k=None,
-                top_p=None,
-            )
-            outputs.append(generated[0, len(prompt) :].tolist())
-    return outputs
+        return model.generate(
+            input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            # The checkpoints' sampling defaults do not apply to greedy decoding.
+            temperature=None,
+            top_k=None,
+            top_p=None,
+            **outputs,
+        )
 
 
 # ---------------------------------------------------------------------------------------------------------- capture

@@ -6,19 +6,16 @@ the real Qwen3.5 configs; generated tokens are compared with transformers' greed
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
 from a4 import LLM, SamplingParams
-from a4.checkpoints import REPO_ROOT, preset_config, tiny_checkpoint
+from a4.checkpoints import preset_config, tiny_checkpoint
 from a4.engine.hybrid_memory import break_even_tokens, hybrid_ledger, plan_hybrid_memory
 from a4.engine.memory_plan import MemoryLedger, MemoryPlanError
 from a4.models.config import load_model_config, parse_config
 from a4.reference import hf_greedy
+from helpers import run_python
 
 MODELS = [("qwen3_5", "tiny"), ("qwen3_5_moe", "tiny"), ("qwen3_5", "0.8b"), ("qwen3_5_moe", "35b-a3b")]
 ELEMENT_BYTES = {torch.float32: 4, torch.bfloat16: 2}
@@ -194,8 +191,7 @@ def test_qwen3_plans_its_memory_without_the_hybrid_exercises():
         "loaded = {'a4.engine.hybrid_memory', 'a4.kvcache.state_pool'} & set(sys.modules)\n"
         "assert not loaded, loaded\n"
     )
-    run = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=os.environ.copy(), capture_output=True,
-                         text=True)
+    run = run_python(code)
     assert run.returncode == 0, run.stderr
 
 
@@ -246,8 +242,7 @@ def test_hybrid_slots_first_needs_no_notebook_06_exercise():
         "LLM(tiny_checkpoint('qwen3_5'), state_fraction=0.5)\n"
         "assert 'a4.engine.hybrid_memory' in sys.modules\n"
     )
-    run = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=os.environ.copy(), capture_output=True,
-                         text=True)
+    run = run_python(code)
     assert run.returncode == 0, run.stderr
 
 

@@ -9,21 +9,18 @@ an all-attention model keeps the ordinary radix cache, and bad settings are refu
 
 from __future__ import annotations
 
-import os
 import random
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from a4 import LLM, SamplingParams
-from a4._overlay import REPO_ROOT
 from a4.course.checks import CheckFailed
 from a4.course.checks import radix as checks
 from a4.course.checks.state_pool import expected_bytes_per_slot, read_config
 from a4.engine.memory_plan import MemoryPlanError
 from a4.kvcache.radix_cache import CacheHandle, MatchResult, RadixCache
+from helpers import run_python
 
 
 @pytest.fixture(scope="module")
@@ -233,8 +230,7 @@ def test_serving_qwen3_never_imports_the_hybrid_radix_cache():
         "LLM(tiny_checkpoint('qwen3')).generate([[1, 2, 3]])\n"
         "assert 'a4.kvcache.hybrid_radix_cache' not in sys.modules\n"
     )
-    run = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=os.environ.copy(), capture_output=True,
-                         text=True)
+    run = run_python(code)
     assert run.returncode == 0, run.stderr
 
 

@@ -1,10 +1,10 @@
 """a4's Qwen3.5 against transformers' Qwen3_5ForConditionalGeneration, logits for logits.
 
-The ForwardBatches are built by hand here: a KV pool holding only the full-attention layers, a zero-initialised
-stand-in for the state pool of the Gated DeltaNet layers (the real StatePool is notebook 05's), a request-slot table
-and KV locations handed out in random order. Checked: one request's prefill and ten decode steps (and its greedy
-tokens against `generate`), a flattened batch of three requests of different lengths with one prefilled in two
-chunks, config shapes other than the tiny default, and a bfloat16 report.
+The ForwardBatches are built by hand (`a4.course.checks._model_runner`): a KV pool holding only the full-attention
+layers, a zero-initialised stand-in for the state pool of the Gated DeltaNet layers (the real StatePool is notebook
+05's), a request-slot table and KV locations handed out in random order. Checked: one request's prefill and ten
+decode steps (and its greedy tokens against `generate`), a flattened batch of three requests of different lengths
+with one prefilled in two chunks, config shapes other than the tiny default, and a bfloat16 report.
 """
 
 from __future__ import annotations
@@ -16,16 +16,12 @@ import torch
 import transformers
 
 from a4.checkpoints import tiny_checkpoint
-from a4.core import ForwardBatch
-from a4.kvcache.kv_pool import KVPool
-from a4.models.config import ModelConfig
-from a4.models.registry import load_model
-from a4.reference import cached_hf_model
+from a4.course.checks._model_runner import ModelRunner
+from a4.reference import cached_hf_model, hf_greedy_with_logits
+from model_checks import a4_model, assert_fp32_close, random_tokens
 
 MAX_CONTEXT = 128
 NUM_SLOTS = 4
-# float32: a4 and transformers differ only in the order of float32 roundings (and GDN's chunked vs. step form).
-FP32_RELATIVE_TOLERANCE = 1e-4
 # bfloat16: a floor, not a target; the measured figures are printed (pytest -s). Near-ties between the top two
 # logits of a random tiny model flip under bfloat16 rounding, so agreement is not 100%.
 BF16_MIN_ARGMAX_AGREEMENT = 0.9
@@ -48,98 +44,6 @@ def checkpoint():
 
 
 @functools.cache
-def a4_model(checkpoint, dtype: torch.dtype):
-    return load_model(checkpoint, dtype=dtype, device="cpu", progress=False)[1]
-
-
-class ZeroStates:
-    """Stand-in for the state pool: what `a4.models.qwen3_5.GDNStates` asks for, zero-initialised."""
-
-    def __init__(self, config: ModelConfig, num_slots: int, dtype: torch.dtype) -> None:
-        num_gdn = len(config.linear_attention_layers)
-        conv_shape = (num_slots, config.conv_dim, config.linear_conv_kernel_dim - 1)
-        recurrent_shape = (
-            num_slots,
-            config.linear_num_value_heads,
-            config.linear_key_head_dim,
-            config.linear_value_head_dim,
-        )
-        self.conv = [torch.zeros(conv_shape, dtype=dtype) for _ in range(num_gdn)]
-        self.recurrent = [torch.zeros(recurrent_shape, dtype=torch.float32) for _ in range(num_gdn)]
-
-    def conv_state(self, gdn_layer: int) -> torch.Tensor:
-        return self.conv[gdn_layer]
-
-    def recurrent_state(self, gdn_layer: int) -> torch.Tensor:
-        return self.recurrent[gdn_layer]
-
-
-class HybridRunner:
-    """Drives the model like an engine would, one step at a time, for requests identified by their slot."""
-
-    def __init__(self, model, seed: int = 0) -> None:
-        config = model.config
-        self.model = model
-        dtype = model.lm_head.weight.dtype
-        # Only the full-attention layers keep KV.
-        num_kv_layers = len(config.full_attention_layers)
-        self.pool = KVPool(num_kv_layers, 128, 4, config.num_key_value_heads, config.head_dim, dtype, "cpu")
-        self.states = ZeroStates(config, NUM_SLOTS, dtype)
-        gen = torch.Generator().manual_seed(seed)
-        self.free_locations = torch.randperm(self.pool.num_locations, generator=gen).tolist()
-        self.req_to_token = torch.zeros(NUM_SLOTS, MAX_CONTEXT, dtype=torch.long)
-        self.lens = [0] * NUM_SLOTS
-
-    def forward(
-        self, new_tokens: dict[int, list[int]], sample: dict[int, bool] | None = None
-    ) -> dict[int, torch.Tensor]:
-        """Feed new_tokens[slot] to each slot's request; logits [n, vocab] of every new token of each sampled slot."""
-        slots = list(new_tokens)
-        sample = sample or {slot: True for slot in slots}
-        prefix_lens = [self.lens[slot] for slot in slots]
-        extend_lens = [len(new_tokens[slot]) for slot in slots]
-        out_cache_loc, sample_indices, row = [], [], 0
-        for slot, prefix_len, extend_len in zip(slots, prefix_lens, extend_lens):
-            locations = [self.free_locations.pop() for _ in range(extend_len)]
-            self.req_to_token[slot, prefix_len : prefix_len + extend_len] = torch.tensor(locations)
-            self.lens[slot] += extend_len
-            out_cache_loc += locations
-            if sample[slot]:
-                sample_indices += range(row, row + extend_len)
-            row += extend_len
-        fb = ForwardBatch(
-            phase="decode" if all(n == 1 for n in extend_lens) and all(prefix_lens) else "prefill",
-            input_ids=torch.tensor([t for slot in slots for t in new_tokens[slot]]),
-            positions=torch.cat([torch.arange(p, p + n) for p, n in zip(prefix_lens, extend_lens)]),
-            req_slots=torch.tensor(slots),
-            extend_lens=extend_lens,
-            prefix_lens=prefix_lens,
-            out_cache_loc=torch.tensor(out_cache_loc),
-            sample_indices=torch.tensor(sample_indices, dtype=torch.long),
-            req_to_token=self.req_to_token,
-            kv_pool=self.pool,
-            state_pool=self.states,
-        )
-        with torch.no_grad():
-            logits = self.model(fb)
-        assert logits.dtype == torch.float32 and logits.shape == (len(sample_indices), self.model.config.vocab_size)
-        per_slot, start = {}, 0
-        for slot, extend_len in zip(slots, extend_lens):
-            if sample[slot]:
-                per_slot[slot] = logits[start : start + extend_len]
-                start += extend_len
-        return per_slot
-
-    def release(self, slot: int) -> None:
-        """End the slot's request. Its table row and states stay as they are, as an engine leaves them."""
-        self.lens[slot] = 0
-
-
-def random_tokens(n: int, seed: int, vocab: int = 1024) -> list[int]:
-    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-@functools.cache
 def hf_sdpa_model(checkpoint, dtype: torch.dtype):
     # transformers' default attention, "sdpa", calls the kernel a4's paged attention calls: in bfloat16 the two then
     # round alike (a4.reference's models use "eager", whose bfloat16 roundings differ a little more).
@@ -155,35 +59,10 @@ def hf_logits(model, tokens: list[int]) -> torch.Tensor:
         return model(torch.tensor([tokens])).logits[0].float()
 
 
-def hf_generate(checkpoint, prompt: list[int], max_new_tokens: int) -> tuple[list[int], torch.Tensor]:
-    """transformers' greedy `generate` (float32, its own cache): the new tokens, and the logits [n, vocab] that chose
-    each of them. It stops early after an eos token, as the engine will."""
-    input_ids = torch.tensor([prompt])
-    with torch.no_grad():
-        out = cached_hf_model(checkpoint, torch.float32).generate(
-            input_ids,
-            attention_mask=torch.ones_like(input_ids),
-            max_new_tokens=max_new_tokens,
-            do_sample=False,
-            temperature=None,
-            top_k=None,
-            top_p=None,
-            output_logits=True,
-            return_dict_in_generate=True,
-        )
-    return out.sequences[0, len(prompt) :].tolist(), torch.cat(out.logits).float()
-
-
-def assert_fp32_close(ours: torch.Tensor, reference: torch.Tensor) -> None:
-    scale = reference.abs().max().item()
-    err = (ours - reference).abs().max().item()
-    assert err <= FP32_RELATIVE_TOLERANCE * scale, f"max abs diff {err:.3g} at logit scale {scale:.3g}"
-
-
 def test_prefill_and_ten_decode_steps_float32(checkpoint):
     prompt = random_tokens(12, seed=1)
-    hf_tokens, hf_step_logits = hf_generate(checkpoint, prompt, max_new_tokens=11)
-    runner = HybridRunner(a4_model(checkpoint, torch.float32))
+    hf_tokens, hf_step_logits = hf_greedy_with_logits(checkpoint, prompt, max_new_tokens=11)
+    runner = ModelRunner(a4_model(checkpoint, torch.float32), NUM_SLOTS, MAX_CONTEXT)
     slot = 2
     logits = [runner.forward({slot: prompt})[slot][-1]]
     tokens = [int(logits[-1].argmax())]
@@ -199,7 +78,7 @@ def run_varlen_batch(model, vocab: int) -> dict[int, tuple[list[int], torch.Tens
     sampled); then three decode steps of all three. Slots 3 and 0 first serve other requests, whose states stay
     behind. Returns, per slot, its tokens and the logits of every token fed in a sampled step (NaN rows where
     nothing was sampled)."""
-    runner = HybridRunner(model)
+    runner = ModelRunner(model, NUM_SLOTS, MAX_CONTEXT)
     runner.forward({3: random_tokens(9, 30, vocab), 0: random_tokens(4, 31, vocab)})
     runner.release(3)
     runner.release(0)
@@ -264,7 +143,7 @@ def test_bfloat16_report(checkpoint):
 
 
 def test_missing_state_pool_is_a_clear_error(checkpoint):
-    runner = HybridRunner(a4_model(checkpoint, torch.float32))
+    runner = ModelRunner(a4_model(checkpoint, torch.float32), NUM_SLOTS, MAX_CONTEXT)
     runner.states = None
     with pytest.raises(ValueError, match="state_pool"):
         runner.forward({0: [1, 2, 3]})

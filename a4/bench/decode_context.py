@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from a4.bench.gdn import median_seconds
+from a4.bench._timing import median_seconds
 from a4.checkpoints import make_checkpoint
 from a4.core import ForwardBatch
 from a4.kvcache.kv_pool import KVPool
@@ -92,7 +92,7 @@ def layer_step_seconds(
     `RotaryEmbedding`. Both layers run in the dtype and on the device of their parameters. The two are measured
     side by side at each context, so that a slow spell of the machine hits both.
     """
-    weight = next(attention.parameters())
+    weight = attention.q_proj.weight
     dtype, device = weight.dtype, weight.device
     gen = torch.Generator(device).manual_seed(0)
     hidden = torch.randn(1, config.hidden_size, generator=gen, device=device, dtype=dtype)
@@ -172,19 +172,22 @@ def print_table(title: str, part: dict) -> None:
     print(f"{'slope':>8}" + "".join(f"{part['slope_ms_per_1k_tokens'][n]:>18.3f} ms / 1k" for n in names))
 
 
+def draw_part(part: dict, ax, title: str) -> None:
+    """One part of a report ("layers" or "model"): ms per decode step against context, one line per series."""
+    for name, seconds in part["seconds"].items():
+        slope = part["slope_ms_per_1k_tokens"][name]
+        ax.plot(part["contexts"], [s * 1e3 for s in seconds], marker="o", label=f"{name} ({slope:+.2f} ms / 1k)")
+    ax.set_ylim(bottom=0)
+    ax.set_xlabel("context (tokens)")
+    ax.set_ylabel("ms per decode step")
+    ax.set_title(title, loc="left", fontsize=10)
+    ax.legend(fontsize=8)
+
+
 def draw(report: dict, axes) -> None:
-    """The layer panel and the whole-model panel of a report (two matplotlib axes)."""
-    titles = ("one layer (token mixer only)", "whole model (embedding to logits)")
-    for ax, key, title in zip(axes, ("layers", "model"), titles):
-        part = report[key]
-        for name, seconds in part["seconds"].items():
-            slope = part["slope_ms_per_1k_tokens"][name]
-            ax.plot(part["contexts"], [s * 1e3 for s in seconds], marker="o", label=f"{name} ({slope:+.2f} ms / 1k)")
-        ax.set_ylim(bottom=0)
-        ax.set_xlabel("context (tokens)")
-        ax.set_ylabel("ms per decode step")
-        ax.set_title(title, loc="left", fontsize=10)
-        ax.legend(fontsize=8)
+    """The layer panel and the whole-model panel of a report, on two matplotlib axes."""
+    draw_part(report["layers"], axes[0], "one layer (token mixer only)")
+    draw_part(report["model"], axes[1], "whole model (embedding to logits)")
 
 
 def plot(report: dict, path: Path) -> None:

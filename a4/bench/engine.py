@@ -9,8 +9,8 @@ transformers run, and again), greedy, end of sequence ignored so that every requ
 A decode step is timed from outside: a4's `Engine.step()` (scheduling, forward, sampling), and for transformers the
 time between two consecutive calls of a logits processor (forward and the rest of `generate`'s loop).
 
-Memory: a4's peak resident memory (the RSS high-water mark from `resource.getrusage`) above what the process held
-before the model was loaded, against the weights and the pools the memory plan allocated. It is read after a4 has
+Memory: a4's peak resident memory (the RSS high-water mark) above what the process held before the model was loaded,
+against the weights and the pools the memory plan allocated. It is read after a4 has
 run every workload once and before transformers is loaded; each dtype runs in a fresh process, so that each peak
 is its own.
 
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import re
 import resource
 import statistics
 import sys
@@ -55,29 +56,38 @@ class Workload:
         return Workload(32, 16, tuple(range(4, 33, 4)), new_tokens=8, repeats=1)
 
 
-def max_rss_bytes() -> int:
-    """The process's resident-set high-water mark (ru_maxrss is in KiB on Linux, in bytes on macOS)."""
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak if sys.platform == "darwin" else peak * 1024
+def resident_bytes(field: str) -> int:
+    """This process's resident memory now ("VmRSS") or at its highest ("VmHWM"), from Linux's /proc/self/status.
+
+    /proc rather than getrusage's ru_maxrss: a spawned process's ru_maxrss starts at its parent's size when it was
+    forked, which can hide the peak of a small model. Elsewhere both fall back to ru_maxrss (the peak only).
+    """
+    try:
+        status = Path("/proc/self/status").read_text()
+    except OSError:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return peak if sys.platform == "darwin" else peak * 1024  # KiB on Linux, bytes on macOS
+    return int(re.search(rf"^{field}:\s+(\d+) kB", status, re.MULTILINE).group(1)) * 1024
 
 
 def random_prompts(lengths: tuple[int, ...], vocab_size: int, stop_tokens: tuple[int, ...], seed: int) -> list:
+    """Prompts of the given lengths, tokens drawn uniformly from the vocabulary without its stop tokens."""
+    allowed = torch.ones(vocab_size, dtype=torch.bool)
+    allowed[list(stop_tokens)] = False
+    tokens = allowed.nonzero()[:, 0]
     gen = torch.Generator().manual_seed(seed)
-    prompts = []
-    for length in lengths:
-        ids = torch.randint(0, vocab_size, (length,), generator=gen)
-        # A stop token in the prompt changes nothing here, but keeping prompts free of them keeps them ordinary.
-        prompts.append([token if token not in stop_tokens else token - 1 for token in ids.tolist()])
-    return prompts
+    return [tokens[torch.randint(len(tokens), (length,), generator=gen)].tolist() for length in lengths]
 
 
 class A4Runner:
     """a4's engine, driven step by step so that each decode step can be timed."""
 
-    def __init__(self, model_dir: Path, dtype: str, max_prefill_tokens: int) -> None:
+    def __init__(self, model_dir: Path, dtype: str, max_prefill_tokens: int, device: str = "cpu") -> None:
         from a4 import LLM
 
-        self.llm = LLM(model_dir, dtype=dtype, max_running_requests=8, max_prefill_tokens=max_prefill_tokens)
+        self.llm = LLM(
+            model_dir, dtype=dtype, device=device, max_running_requests=8, max_prefill_tokens=max_prefill_tokens
+        )
 
     def prefill(self, prompt: list[int]) -> None:
         from a4 import SamplingParams
@@ -113,7 +123,7 @@ class A4Runner:
 class TransformersRunner:
     """transformers' `generate` on the same checkpoint (its default attention, sdpa)."""
 
-    def __init__(self, model_dir: Path, dtype: str) -> None:
+    def __init__(self, model_dir: Path, dtype: str, device: str = "cpu") -> None:
         import transformers
         from transformers import LogitsProcessor
 
@@ -122,7 +132,8 @@ class TransformersRunner:
         architecture = json.loads((Path(model_dir) / "config.json").read_text())["architectures"][0]
         # Not a4.reference's model: that one runs "eager" attention, for exact references; users get sdpa.
         model_class = getattr(transformers, architecture)
-        self.model = model_class.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
+        self.device = torch.device(device)
+        self.model = model_class.from_pretrained(model_dir, dtype=getattr(torch, dtype)).to(self.device).eval()
 
         class Clock(LogitsProcessor):
             """Called once per generated token, just after the forward that produced its logits."""
@@ -140,8 +151,8 @@ class TransformersRunner:
         """Left-pad the prompts into one batch, generate; the times at which each token's logits were ready."""
         longest = max(len(p) for p in prompts)
         pad = 0
-        input_ids = torch.tensor([[pad] * (longest - len(p)) + p for p in prompts])
-        attention_mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in prompts])
+        input_ids = torch.tensor([[pad] * (longest - len(p)) + p for p in prompts], device=self.device)
+        attention_mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in prompts], device=self.device)
         clock = self.clock_class()
         with torch.no_grad():
             self.model.generate(
@@ -175,13 +186,13 @@ def measure(model_dir: str, dtype: str, workload: Workload, threads: int) -> dic
     lengths = (workload.prefill_len, workload.decode_len, *workload.batch_lens)
     prefill_prompt, decode_prompt, *batch = random_prompts(lengths, config.vocab_size, config.eos_token_ids, seed=0)
 
-    baseline = max_rss_bytes()
+    baseline = resident_bytes("VmRSS")
     a4 = A4Runner(model_dir, dtype, max_prefill_tokens=max(workload.prefill_len, sum(workload.batch_lens)))
     # Warm-up: every workload once (first-call costs), which is also everything a4 will allocate.
     a4.prefill(prefill_prompt)
     a4.decode_step_seconds([decode_prompt], 2)
     a4.decode_step_seconds(batch, 2)
-    memory = {**a4.memory(), "peak_rss_above_baseline": max_rss_bytes() - baseline}
+    memory = {**a4.memory(), "peak_rss_above_baseline": resident_bytes("VmHWM") - baseline}
     memory["peak_over_weights_and_planned_pools"] = memory["peak_rss_above_baseline"] / (
         memory["weights"] + memory["pools_planned"]
     )

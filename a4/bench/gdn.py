@@ -35,7 +35,7 @@ def delta_rule_inputs(length: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
     return q, k, v, g, beta
 
 
-def runners(length: int) -> dict[str, Callable[[], object]]:
+def runners(length: int) -> dict[str, Callable[[], tuple]]:
     """One zero-argument call per method, all on the same inputs of `length` tokens, from a zero state."""
     # Imported here: the a4 module is an exercise (notebook 04), and transformers is only the reference.
     from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
@@ -56,18 +56,25 @@ def runners(length: int) -> dict[str, Callable[[], object]]:
     }
 
 
-def median_seconds(runs: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
-    """Median wall time of each run. The runs take turns (one of each per round) so that a burst of load from other
-    processes slows all of them alike instead of one method's whole series."""
-    for run in runs.values():
-        run()  # warm-up: first-call allocations and library initialisation are not what we measure
+def time_runs(runs: dict[str, Callable[[], tuple]], repeats: int) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
+    """Median wall time of each run, and the output o of its warm-up call.
+
+    The runs take turns (one of each per round), so that a burst of load from other processes slows all of them
+    alike instead of one method's whole series. The warm-up call is not timed: first-call allocations and library
+    initialisation are not what we measure.
+    """
+    outputs = {name: run()[0] for name, run in runs.items()}
     times: dict[str, list[float]] = {name: [] for name in runs}
     for _ in range(repeats):
         for name, run in runs.items():
             start = time.perf_counter()
             run()
             times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t) for name, t in times.items()}
+    return {name: statistics.median(t) for name, t in times.items()}, outputs
+
+
+def max_relative_difference(ours: torch.Tensor, reference: torch.Tensor) -> float:
+    return ((ours - reference).abs().max() / reference.abs().max()).item()
 
 
 def print_table(results: list[dict]) -> None:
@@ -75,13 +82,18 @@ def print_table(results: list[dict]) -> None:
         f"gated delta rule, {NUM_HEADS} heads, dk = dv = {HEAD_DIM}, float32, {torch.get_num_threads()} CPU threads: "
         "tokens/s (median of the runs)"
     )
-    print(f"{'T':>6}" + "".join(f"{m:>22}" for m in METHODS) + f"{'a4 / recurrence':>17}{'a4 / transformers':>19}")
+    print(
+        f"{'T':>6}"
+        + "".join(f"{m:>22}" for m in METHODS)
+        + f"{'a4 / recurrence':>17}{'a4 / transformers':>19}{'max rel. diff':>15}"
+    )
     for row in results:
         rates = row["tokens_per_s"]
         print(
             f"{row['T']:>6}"
             + "".join(f"{rates[m]:>22,.0f}" for m in METHODS)
             + f"{row['a4_over_recurrence']:>16.2f}x{row['a4_over_transformers']:>18.2f}x"
+            + f"{max(row['max_relative_difference'].values()):>15.1e}"
         )
 
 
@@ -109,11 +121,12 @@ def plot(results: list[dict], path: Path) -> None:
 
 def main(quick: bool = False, out_dir: Path | None = None) -> dict:
     """Measure, print the table, write gdn.json and gdn.png into out_dir (when given); returns the JSON's contents."""
-    lengths, repeats = ((128, 512), 1) if quick else ((512, 2048, 8192), 5)
+    lengths, repeats = ((128, 512), 3) if quick else ((512, 2048, 8192), 5)
     results = []
     for length in lengths:
-        seconds = median_seconds(runners(length), repeats)
+        seconds, outputs = time_runs(runners(length), repeats)
         rates = {method: length / s for method, s in seconds.items()}
+        ours = outputs["a4 chunked"].reshape(length, NUM_HEADS, HEAD_DIM)
         results.append(
             {
                 "T": length,
@@ -121,6 +134,11 @@ def main(quick: bool = False, out_dir: Path | None = None) -> dict:
                 "tokens_per_s": rates,
                 "a4_over_recurrence": rates["a4 chunked"] / rates["recurrence"],
                 "a4_over_transformers": rates["a4 chunked"] / rates["transformers chunked"],
+                # Fast is worthless if wrong: a4's chunked output against the two others, relative to their scale.
+                "max_relative_difference": {
+                    method: max_relative_difference(ours, outputs[method].reshape(ours.shape))
+                    for method in ("recurrence", "transformers chunked")
+                },
             }
         )
     print_table(results)

@@ -23,9 +23,9 @@ from pathlib import Path
 
 import torch
 
-from a4.bench.gdn import median_seconds
+from a4.bench._timing import median_seconds
 from a4.checkpoints import make_checkpoint
-from a4.core import SamplingParams
+from a4.core import ForwardBatch, SamplingParams
 
 FORMS = ("chunked", "recurrence")
 LENGTHS = (512, 2048)
@@ -79,6 +79,44 @@ def prefill_seconds(llm, prompt: list[int], repeats: int) -> dict[str, float]:
             chunked()
 
     return median_seconds({"chunked": chunked, "recurrence": recurrence}, repeats)
+
+
+@torch.inference_mode()
+def layer_prefill_seconds(gdn: torch.nn.Module, lengths: tuple[int, ...], repeats: int) -> dict[str, list[float]]:
+    """One GDN layer's prefill of one sequence of each length from a zero state, in both forms; seconds (median of
+    `repeats`, the forms taking turns). gdn: a `GatedDeltaNet`, run in the dtype of its parameters."""
+    projection = gdn.in_proj_qkv
+    dtype, device = projection.weight.dtype, projection.weight.device
+    conv_state = torch.zeros(1, projection.out_features, gdn.conv_kernel - 1, dtype=dtype, device=device)
+    recurrent_state = torch.zeros(1, gdn.num_v_heads, gdn.head_k_dim, gdn.head_v_dim, device=device)
+    gen = torch.Generator(device).manual_seed(0)
+    times: dict[str, list[float]] = {form: [] for form in FORMS}
+    for length in lengths:
+        hidden = torch.randn(length, projection.in_features, generator=gen, dtype=dtype, device=device)
+        positions = torch.arange(length, device=device)
+        fb = ForwardBatch(
+            phase="prefill",
+            input_ids=torch.zeros(length, dtype=torch.int64, device=device),
+            positions=positions,
+            req_slots=torch.zeros(1, dtype=torch.int64, device=device),
+            extend_lens=[length],
+            prefix_lens=[0],
+            out_cache_loc=positions,
+            sample_indices=positions[-1:],
+            req_to_token=positions[None],
+            kv_pool=None,  # a GDN layer keeps no KV
+        )
+
+        def chunked() -> None:
+            gdn(hidden, fb, conv_state, recurrent_state)
+
+        def recurrence() -> None:
+            with recurrence_in_prefill():
+                chunked()
+
+        for form, seconds in median_seconds({"chunked": chunked, "recurrence": recurrence}, repeats).items():
+            times[form].append(seconds)
+    return times
 
 
 def print_table(report: dict) -> None:

@@ -9,6 +9,8 @@ unwritten exercise is left to propagate: its message already names the exercise 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 
 class CheckFailed(AssertionError):
     """A check found the student's result different from the reference."""
@@ -20,3 +22,23 @@ def conclude(problems: list[str], success: str) -> None:
         more = f" (and {len(problems) - 1} more below)" if len(problems) > 1 else ""
         raise CheckFailed(f"{problems[0]}{more}\n" + "\n".join(f"  - {p}" for p in problems))
     print(f"PASSED: {success}")
+
+
+def error_problems(
+    label: str, action: Callable[[], object], error: type[Exception], mentions: str, accepted: str
+) -> list[str]:
+    """What is wrong with how `action()` rejects a broken input: it must raise `error` with `mentions` in its message.
+
+    `accepted` says what happened when nothing was raised (e.g. "loaded without an error").
+    """
+    try:
+        action()
+    except error as e:
+        if mentions not in str(e):
+            return [f"{label}: the {error.__name__} should name {mentions!r}; it says: {e}"]
+        return []
+    except NotImplementedError:
+        raise
+    except Exception as e:  # noqa: BLE001 - any other exception is the failure being reported
+        return [f"{label}: expected a {error.__name__} naming {mentions!r}, got {type(e).__name__}: {e}"]
+    return [f"{label}: {accepted}; expected a {error.__name__} naming {mentions!r}"]

@@ -23,18 +23,17 @@ import torch.nn.functional as F
 
 from a4.checkpoints import tiny_checkpoint
 from a4.course.checks import conclude
+from a4.course.checks._model_runner import ModelRunner, SlotTable, state_tensors
 from a4.course.checks.gated_attention import (
     DTYPES,
-    SlotTable,
     a4_config,
     compare,
     compare_dtype,
     dtype_name,
-    kv_pool_for,
     randn,
     shape_problems,
 )
-from a4.models.config import LINEAR_ATTENTION, ModelConfig
+from a4.models.config import LINEAR_ATTENTION
 
 # (key heads, value heads, dk, dv, conv kernel) of the layer checks.
 SHAPES = {
@@ -356,16 +355,6 @@ class LayerPair:
         return problems
 
 
-def state_tensors(config: ModelConfig, num_slots: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """One GDN layer's conv state [slots, conv_dim, K-1] (model dtype) and recurrent state [slots, Hv, dk, dv]
-    (float32), zero, as a state pool holds them (the StatePool itself is notebook 05's)."""
-    conv = torch.zeros(num_slots, config.conv_dim, config.linear_conv_kernel_dim - 1, dtype=dtype)
-    recurrent = torch.zeros(
-        num_slots, config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim
-    )
-    return conv, recurrent
-
-
 # The layer scenario: slots 3 and 0 still hold an earlier request's states (slot 0: NaN), which the new requests
 # there must not read; three requests prefilled together (one of a single token, one spanning several chunks),
 # the long one continued by a second prefill chunk; then three decode steps of all three.
@@ -420,40 +409,6 @@ def check_layer_states(layer_class: type) -> None:
 # ------------------------------------------------------------------------------------------------ the whole model
 
 
-class ZeroStates:
-    """Stand-in for notebook 05's state pool: what `a4.models.qwen3_5.GDNStates` asks for, zero-initialised."""
-
-    def __init__(self, config: ModelConfig, num_slots: int, dtype: torch.dtype) -> None:
-        layers = [state_tensors(config, num_slots, dtype) for _ in config.linear_attention_layers]
-        self.conv = [conv for conv, _ in layers]
-        self.recurrent = [recurrent for _, recurrent in layers]
-
-    def conv_state(self, gdn_layer: int) -> torch.Tensor:
-        return self.conv[gdn_layer]
-
-    def recurrent_state(self, gdn_layer: int) -> torch.Tensor:
-        return self.recurrent[gdn_layer]
-
-
-class ModelRunner:
-    """a4's model driven one step at a time for requests in slots, as an engine would: a KV pool for the
-    full-attention layers, a ZeroStates for the GDN layers, KV locations handed out in random order."""
-
-    def __init__(self, model: torch.nn.Module, num_slots: int = 2, max_context: int = 64) -> None:
-        config = model.config
-        dtype = model.lm_head.weight.dtype
-        self.model = model
-        self.pool = kv_pool_for(config, num_slots, max_context, dtype)
-        self.states = ZeroStates(config, num_slots, dtype)
-        self.table = SlotTable(self.pool.num_locations, num_slots, max_context)
-
-    def forward(self, slot: int, tokens: list[int]) -> torch.Tensor:
-        """Feed `tokens` to the slot's request: float32 logits [len(tokens), vocab] of every one of them."""
-        fb = self.table.step({slot: tokens}, self.pool, self.states, sample_indices=list(range(len(tokens))))
-        with torch.no_grad():
-            return self.model(fb)
-
-
 MODEL_PROMPT = [3, 141, 59, 265, 358, 979, 323, 846, 264, 338, 327, 950]
 MODEL_DECODE_STEPS = 10
 
@@ -462,30 +417,23 @@ def check_model_logits() -> None:
     """a4's Qwen3.5 (your layers in a4's model) on the tiny checkpoint, float32: the logits of every prompt position
     and of ten greedy decode steps against transformers, and the greedy tokens against its `generate`."""
     from a4.models.registry import load_model
-    from a4.reference import cached_hf_model
+    from a4.reference import cached_hf_model, hf_greedy_with_logits
 
     checkpoint = tiny_checkpoint("qwen3_5")
-    hf = cached_hf_model(checkpoint, torch.float32)
     _, model, _ = load_model(checkpoint, dtype=torch.float32, device="cpu", progress=False)
-    input_ids = torch.tensor([MODEL_PROMPT])
     with torch.no_grad():
-        expected_prefill = hf(input_ids).logits[0].float()
-        generated = hf.generate(
-            input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=MODEL_DECODE_STEPS + 1,
-            do_sample=False, temperature=None, top_k=None, top_p=None, output_logits=True,
-            return_dict_in_generate=True,
-        )  # fmt: skip
-    expected_tokens = generated.sequences[0, len(MODEL_PROMPT) :].tolist()
-    expected_decode = torch.cat(generated.logits[1:]).float()
+        expected_prefill = cached_hf_model(checkpoint, torch.float32)(torch.tensor([MODEL_PROMPT])).logits[0].float()
+    expected_tokens, generated_logits = hf_greedy_with_logits(checkpoint, MODEL_PROMPT, MODEL_DECODE_STEPS + 1)
+    expected_decode = generated_logits[1:]
 
     runner = ModelRunner(model)
     slot = 1
-    prefill = runner.forward(slot, MODEL_PROMPT)
+    prefill = runner.forward({slot: MODEL_PROMPT})[slot]
     tokens = [int(prefill[-1].argmax())]
     decode = []
     # transformers stops after an eos token; so does an engine.
     while len(tokens) < len(expected_tokens):
-        decode.append(runner.forward(slot, tokens[-1:])[0])
+        decode.append(runner.forward({slot: tokens[-1:]})[slot][0])
         tokens.append(int(decode[-1].argmax()))
     # Logits differ by float32 roundings accumulated over every layer, and GDN's chunked vs step forms.
     tolerance = 1e-4

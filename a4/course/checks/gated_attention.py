@@ -10,31 +10,28 @@ Two ground truths, both transformers:
 
 a4's side is built without the earlier notebooks' exercises: its ModelConfig comes from transformers' config object
 (`a4_config`) and its weights are copied from transformers' modules, so these checks fail only when notebook 03's
-own code does. The helpers that build hand-made ForwardBatches (`SlotTable`) and compare tensors (`compare`) are
-shared with notebook 04's checks.
+own code does. The hand-made ForwardBatches come from `a4.course.checks._model_runner`; the helpers that compare
+tensors (`compare`) are shared with notebook 04's checks.
 """
 
 from __future__ import annotations
 
 import functools
-import logging
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+# a4.reference also quiets transformers' advice to install the GDN kernels that would change the reference.
+import a4.reference  # noqa: F401
 from a4.checkpoints import tiny_checkpoint
-from a4.core import ForwardBatch
 from a4.course.checks import conclude
+from a4.course.checks._model_runner import PAGE_SIZE, SlotTable, kv_pool_for
 from a4.course.checks.config import transformers_fields
 from a4.kvcache.kv_pool import KVPool
 from a4.layers.rope import RotaryEmbedding
 from a4.models.config import FULL_ATTENTION, LINEAR_ATTENTION, ModelConfig
 
-# transformers warns, once per function, that it runs its PyTorch code because flash-linear-attention and causal-conv1d
-# are not installed, and advises installing them. Here that PyTorch code is the reference (the kernels would change its
-# numerics), so the advice is noise in the notebooks.
-logging.getLogger("transformers.integrations.hub_kernels").setLevel(logging.ERROR)
 
 # Largest error allowed, relative to the largest magnitude of the reference. float32: a4 and transformers differ only
 # in the order of float32 roundings. bfloat16: a couple of ulps (one ulp is 0.4%).
@@ -46,7 +43,6 @@ EAGER_BF16_TOLERANCE = 5e-2
 # rounding to bfloat16 at a different step (before a multiplication transformers does in float32) changes many more.
 MAX_BF16_ROUNDING_SHARE = 0.01
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-PAGE_SIZE = 4
 
 
 # ----------------------------------------------------------------------------------------------------- comparisons
@@ -130,66 +126,6 @@ def attention_text_config(layer_types: list[str] | None = None):
     )
     config._attn_implementation = "sdpa"
     return config
-
-
-class SlotTable:
-    """Request slots for hand-built ForwardBatches, as an engine would fill them: a `req_to_token` table whose KV
-    locations are handed out in random order (no request's locations are contiguous), and each slot's length."""
-
-    def __init__(self, num_locations: int, num_slots: int = 4, max_context: int = 256, seed: int = 0) -> None:
-        self.free = torch.randperm(num_locations, generator=torch.Generator().manual_seed(seed)).tolist()
-        self.req_to_token = torch.zeros(num_slots, max_context, dtype=torch.long)
-        self.lens = [0] * num_slots
-
-    def step(
-        self,
-        new_tokens: dict[int, int | list[int]],
-        kv_pool: KVPool | None,
-        state_pool: object | None = None,
-        sample_indices: list[int] | None = None,
-    ) -> ForwardBatch:
-        """The ForwardBatch of one step: new_tokens[slot] is a count (layer checks) or token ids (model checks).
-
-        Each slot's request continues where it stopped (its prefix is what the slot holds so far); a step in which
-        every request feeds one token after a prefix is a decode step, any other step a prefill step.
-        """
-        slots = list(new_tokens)
-        tokens = {s: list(range(n)) if isinstance(n, int) else list(n) for s, n in new_tokens.items()}
-        prefix_lens = [self.lens[slot] for slot in slots]
-        extend_lens = [len(tokens[slot]) for slot in slots]
-        out_cache_loc = []
-        for slot, prefix_len, extend_len in zip(slots, prefix_lens, extend_lens):
-            locations = [self.free.pop() for _ in range(extend_len)]
-            self.req_to_token[slot, prefix_len : prefix_len + extend_len] = torch.tensor(locations, dtype=torch.long)
-            self.lens[slot] += extend_len
-            out_cache_loc += locations
-        decode = all(n == 1 for n in extend_lens) and all(prefix_lens)
-        return ForwardBatch(
-            phase="decode" if decode else "prefill",
-            input_ids=torch.tensor([t for slot in slots for t in tokens[slot]], dtype=torch.long),
-            positions=torch.cat([torch.arange(p, p + n) for p, n in zip(prefix_lens, extend_lens)]),
-            req_slots=torch.tensor(slots, dtype=torch.long),
-            extend_lens=extend_lens,
-            prefix_lens=prefix_lens,
-            out_cache_loc=torch.tensor(out_cache_loc, dtype=torch.long),
-            sample_indices=torch.tensor(sample_indices or [], dtype=torch.long),
-            req_to_token=self.req_to_token,
-            kv_pool=kv_pool,
-            state_pool=state_pool,
-        )
-
-    def locations(self, slot: int) -> torch.Tensor:
-        """The KV locations of every token the slot's request holds, in order."""
-        return self.req_to_token[slot, : self.lens[slot]]
-
-
-def kv_pool_for(config: ModelConfig, num_slots: int, max_context: int, dtype: torch.dtype) -> KVPool:
-    """The KV pool an engine allocates for a hybrid model: one layer per full-attention layer, none for GDN."""
-    num_pages = num_slots * max_context // PAGE_SIZE
-    return KVPool(
-        len(config.full_attention_layers), num_pages, PAGE_SIZE, config.num_key_value_heads, config.head_dim,
-        dtype, "cpu",
-    )  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------------- the norm and the RoPE

@@ -15,7 +15,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from a4.course.checks import CheckFailed, conclude
+from a4.course.checks import CheckFailed, conclude, error_problems
 from a4.models.registry import load_model
 from a4.models.weights import WeightLoadError, checkpoint_files
 
@@ -140,15 +140,7 @@ def check_weight_errors(model_dir: str | Path) -> None:
             tensors = dict(original)
             edit(tensors)
             save_file(tensors, broken / "model.safetensors")
-            try:
-                _load(broken)
-            except WeightLoadError as e:
-                if mentions not in str(e):
-                    problems.append(f"{label}: the WeightLoadError should name {mentions!r}; it says: {e}")
-            except NotImplementedError:
-                raise
-            except Exception as e:  # noqa: BLE001 - any other exception is the failure being reported
-                problems.append(f"{label}: expected a WeightLoadError naming {mentions!r}, got {type(e).__name__}: {e}")
-            else:
-                problems.append(f"{label}: loaded without an error; expected a WeightLoadError naming {mentions!r}")
+            problems += error_problems(
+                label, lambda: _load(broken), WeightLoadError, mentions, accepted="loaded without an error"
+            )
     conclude(problems, f"{len(cases)} broken checkpoints each raise a WeightLoadError naming the tensor")
