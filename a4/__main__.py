@@ -242,9 +242,11 @@ def load_tokenizer(model_dir: Path):
 
 
 def benchmark_names() -> list[str]:
+    """Benchmarks by their command-line names: module `decode_context` is `bench decode-context`."""
     import a4.bench
 
-    return sorted(module.name for module in pkgutil.iter_modules(a4.bench.__path__) if not module.name.startswith("_"))
+    modules = pkgutil.iter_modules(a4.bench.__path__)
+    return sorted(module.name.replace("_", "-") for module in modules if not module.name.startswith("_"))
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -256,7 +258,7 @@ def run_bench(args: argparse.Namespace) -> int:
         print("no benchmarks in a4/bench yet")
     for name in names:
         print(f"== bench {name}", flush=True)
-        importlib.import_module(f"a4.bench.{name}").main(quick=args.quick, out_dir=args.out)
+        importlib.import_module(f"a4.bench.{name.replace('-', '_')}").main(quick=args.quick, out_dir=args.out)
     return 0
 
 

@@ -7,13 +7,13 @@ not. Measured at Qwen3.5-0.8B's shapes (random weights, float32, one request), a
 - layers: one GDN layer (`linear_attn`) and one full-attention layer (`self_attn`) of the model, the token mixers
   alone (the MLP after each is the same in both);
 - whole model: Qwen3.5-0.8B (18 GDN + 6 full-attention layers) against the same checkpoint with every layer full
-  attention (`layer_types` overridden: the same widths, heads, MLP, vocabulary and layer code, only the mixer of 18
-  layers differs; its GDN layers' 58M parameters become attention layers' 44M).
+  attention (`layer_types` overridden: the same widths, heads, MLP, vocabulary and layer code; only the mixer of 18
+  layers differs, 190M parameters of GDN mixers becoming 132M of attention mixers).
 
 Nothing is prefilled: the KV pool is filled with random keys and values (what they are does not change the work),
 and the request's next token is fed at position `context`. Each figure is the median wall time of several runs after
-a warm-up run, the two layers (and the two models) taking turns; a least-squares line through each series gives its
-slope, in ms per 1k tokens of context.
+a warm-up run (the two models take turns; the two layers are timed one after the other at each context); a
+least-squares line through each series gives its slope, in ms per 1k tokens of context.
 
     python -m a4 bench decode_context [--quick] [--out DIR]
 """
@@ -89,8 +89,8 @@ def layer_step_seconds(
     """Decode-step time of a GDN layer and a full-attention layer at each context (seconds, median of `repeats`).
 
     gdn: a `GatedDeltaNet`; attention: a `GatedAttention` whose pool layer is 0; rotary_emb: the model's
-    `RotaryEmbedding`. Both layers run in the dtype and on the device of their parameters. The two are measured
-    side by side at each context, so that a slow spell of the machine hits both.
+    `RotaryEmbedding`. Both layers run in the dtype and on the device of their parameters, one after the other at
+    each context.
     """
     weight = attention.q_proj.weight
     dtype, device = weight.dtype, weight.device
@@ -113,8 +113,11 @@ def layer_step_seconds(
             "GDN layer": lambda: gdn(hidden, fb, conv_state, recurrent_state),
             "attention layer": lambda: attention(hidden, cos, sin, fb),
         }
-        for name, seconds in median_seconds(runs, repeats).items():
-            times[name].append(seconds)
+        # Each layer's runs back to back rather than taking turns: the attention layer's gathers of 64+ MB (at 32k
+        # tokens) would otherwise evict the GDN layer's weights from the caches before each of its runs, and its
+        # figure (flat when timed alone) would carry the attention layer's context.
+        for name, run in runs.items():
+            times[name].append(median_seconds({name: run}, repeats)[name])
     return times
 
 

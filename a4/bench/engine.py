@@ -9,10 +9,10 @@ transformers run, and again), greedy, end of sequence ignored so that every requ
 A decode step is timed from outside: a4's `Engine.step()` (scheduling, forward, sampling), and for transformers the
 time between two consecutive calls of a logits processor (forward and the rest of `generate`'s loop).
 
-Memory: a4's peak resident memory (the RSS high-water mark) above what the process held before the model was loaded,
-against the weights and the pools the memory plan allocated. It is read after a4 has
-run every workload once and before transformers is loaded; each dtype runs in a fresh process, so that each peak
-is its own.
+a4 runs with its defaults except that the prefix cache is off (the prefill runs repeat one prompt). Memory: a4's
+peak resident memory (the RSS high-water mark) above what the process held before the model was loaded, against the
+weights and the pools the memory plan allocated. It is read after a4 has run every workload once and before
+transformers is loaded; each dtype runs in a fresh process, so that each peak is its own.
 
     python -m a4 bench engine [--quick] [--out DIR]
 """
@@ -85,8 +85,14 @@ class A4Runner:
     def __init__(self, model_dir: Path, dtype: str, max_prefill_tokens: int, device: str = "cpu") -> None:
         from a4 import LLM
 
+        # No prefix cache: the prefill runs repeat one prompt, which must be computed every time.
         self.llm = LLM(
-            model_dir, dtype=dtype, device=device, max_running_requests=8, max_prefill_tokens=max_prefill_tokens
+            model_dir,
+            dtype=dtype,
+            device=device,
+            max_running_requests=8,
+            max_prefill_tokens=max_prefill_tokens,
+            enable_prefix_cache=False,
         )
 
     def prefill(self, prompt: list[int]) -> None:
@@ -246,7 +252,8 @@ def print_table(report: dict) -> None:
         print(
             f"a4 memory, {dtype}: peak RSS {gib(m['peak_rss_above_baseline'])} above the process before loading; "
             f"weights {gib(m['weights'])} + pools planned {gib(m['pools_planned'])} (allocated "
-            f"{gib(m['pools_allocated'])}): peak / (weights + planned pools) = {m['peak_over_weights_and_planned_pools']:.2f}"
+            f"{gib(m['pools_allocated'])}): peak / (weights + planned pools) = "
+            f"{m['peak_over_weights_and_planned_pools']:.2f}"
         )
 
 
@@ -280,7 +287,7 @@ def draw(report: dict, axes) -> None:
                       label="peak RSS (above baseline)")  # fmt: skip
     memory_ax.set_ylabel("GiB")
     memory_ax.set_title("a4's memory", loc="left", fontsize=10)
-    memory_ax.legend(fontsize=8)
+    memory_ax.legend(fontsize=8, loc="lower center")
 
 
 def plot(report: dict, path: Path) -> None:

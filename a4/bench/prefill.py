@@ -164,7 +164,10 @@ def main(quick: bool = False, out_dir: Path | None = None) -> dict:
 
     preset, lengths = ("tiny", QUICK_LENGTHS) if quick else ("0.8b", LENGTHS)
     model_dir = make_checkpoint(None, "qwen3_5", preset=preset)
-    llm = LLM(model_dir, dtype="float32", max_running_requests=1, max_prefill_tokens=max(lengths))
+    # No prefix cache: the runs repeat one prompt, which must be prefilled every time.
+    llm = LLM(
+        model_dir, dtype="float32", max_running_requests=1, max_prefill_tokens=max(lengths), enable_prefix_cache=False
+    )
     config = llm.engine.model_config
     gen = torch.Generator().manual_seed(0)
     # The recurrence takes minutes at 2048 tokens on CPU: fewer runs of the longer prompt.

@@ -27,9 +27,10 @@ from a4.models.config import ModelConfig, parse_config
 
 # The models of the report: (arch, preset) by name.
 REPORT_MODELS = {"0.8B": ("qwen3_5", "0.8b"), "35B-A3B": ("qwen3_5_moe", "35b-a3b")}
-# One H200: 141 GB of HBM3e (NVIDIA's figure, in bytes). An engine plans its pools with a share of it and keeps the
-# rest for activations and the allocator (SGLang's --mem-fraction-static is about 0.9 on large GPUs).
-H200_BYTES = 141 * 10**9
+# One H200, NVIDIA's "141 GB": the total that torch.cuda.mem_get_info reported on one (139.8 GiB). An engine plans
+# its pools with a share of it and keeps the rest for activations and the allocator (SGLang's
+# --mem-fraction-static is about 0.9 on large GPUs).
+H200_BYTES = 150_109_880_320
 MEMORY_FRACTION = 0.9
 REPORT_CONTEXTS = (4096, 32768)
 
