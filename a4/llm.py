@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from a4.core import Output, Req, SamplingParams
-from a4.engine.engine import Engine, EngineConfig, EngineStats
+from a4.engine.engine import Engine, EngineConfig, EngineStats, check_sampling_params
 from a4.engine.memory_plan import MemoryLedger, MemoryPlan
 
 
@@ -76,17 +76,33 @@ class LLM:
     def generate(
         self, prompts: list[list[int]], sampling_params: SamplingParams | list[SamplingParams] | None = None
     ) -> list[Output]:
-        """Continue every prompt; one SamplingParams for all, or one per prompt (default: greedy, 16 tokens)."""
+        """Continue every prompt; one SamplingParams for all, or one per prompt (default: greedy, 16 tokens).
+
+        Every argument is checked before any prompt is queued. If an exception escapes (KeyboardInterrupt from an
+        interrupted cell included), every request of this call is aborted before it propagates: the engine is as if
+        the call had never been made, and the next call is served correctly.
+        """
         if not isinstance(prompts, (list, tuple)) or not all(isinstance(p, (list, tuple)) for p in prompts):
             raise ValueError("prompts must be a list of token-id lists, e.g. [[1, 2, 3]]")
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params] * len(prompts)
+        if not isinstance(sampling_params, (list, tuple)):
+            check_sampling_params(sampling_params)
         if len(sampling_params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(sampling_params)} SamplingParams")
-        reqs = [self.engine.add_request(prompt, params) for prompt, params in zip(prompts, sampling_params)]
-        self.engine.run(reqs)
+        for params in sampling_params:
+            check_sampling_params(params)
+        reqs = []
+        try:
+            for prompt, params in zip(prompts, sampling_params):
+                reqs.append(self.engine.add_request(prompt, params))
+            self.engine.run(reqs)
+        except BaseException:
+            for req in reqs:
+                self.engine.abort_req(req, "generate() raised before this request finished")
+            raise
         return [_output(req) for req in reqs]
 
 
