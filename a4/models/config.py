@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -135,29 +135,12 @@ def _is_list_of_str(value: Any) -> bool:
     return isinstance(value, list) and all(isinstance(item, str) for item in value)
 
 
-_POSITIVE_INTS = (
-    "vocab_size",
-    "hidden_size",
-    "intermediate_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "head_dim",
-    "max_position_embeddings",
-    "linear_num_key_heads",
-    "linear_num_value_heads",
-    "linear_key_head_dim",
-    "linear_value_head_dim",
-    "linear_conv_kernel_dim",
-    "num_experts",
-    "moe_intermediate_size",
-    "shared_expert_intermediate_size",
-    "sliding_window",
-)
 # field -> (test of its value, what the value must be). A field that is absent or null is left to the parser.
-# full_attention_interval and num_experts_per_tok only need to be integers here: their ranges are the exercise's.
+# Every config.json field named like an integer field of ModelConfig is a size or a count. full_attention_interval
+# and num_experts_per_tok only need to be integers here: their ranges are the exercise's.
 FIELD_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
-    **dict.fromkeys(_POSITIVE_INTS, (_is_positive_int, "a positive integer")),
+    **{f.name: (_is_positive_int, "a positive integer") for f in fields(ModelConfig) if f.type == "int"},
+    "sliding_window": (_is_positive_int, "a positive integer"),
     "full_attention_interval": (_is_int, "an integer"),
     "num_experts_per_tok": (_is_int, "an integer"),
     "max_window_layers": (_is_non_negative_int, "a non-negative integer"),
