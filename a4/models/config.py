@@ -131,6 +131,10 @@ def _is_positive_number(value: Any) -> bool:
     return (_is_int(value) or isinstance(value, float)) and math.isfinite(value) and value > 0
 
 
+def _is_bool(value: Any) -> bool:
+    return isinstance(value, bool)
+
+
 def _is_list_of_str(value: Any) -> bool:
     return isinstance(value, list) and all(isinstance(item, str) for item in value)
 
@@ -147,9 +151,9 @@ FIELD_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "rms_norm_eps": (_is_positive_number, "a positive number"),
     "rope_theta": (_is_positive_number, "a positive number"),
     "partial_rotary_factor": (lambda v: _is_positive_number(v) and v <= 1, "a number in (0, 1]"),
-    "tie_word_embeddings": (lambda v: isinstance(v, bool), "true or false"),
-    "norm_topk_prob": (lambda v: isinstance(v, bool), "true or false"),
-    "use_sliding_window": (lambda v: isinstance(v, bool), "true or false"),
+    "tie_word_embeddings": (_is_bool, "true or false"),
+    "norm_topk_prob": (_is_bool, "true or false"),
+    "use_sliding_window": (_is_bool, "true or false"),
     "eos_token_id": (
         lambda v: _is_non_negative_int(v) or (isinstance(v, list) and all(map(_is_non_negative_int, v))),
         "a token id or a list of token ids",
@@ -273,10 +277,12 @@ def parse_config(raw: dict[str, Any]) -> ModelConfig:
     check_field_types(raw, "config.json")
     if isinstance(raw.get("text_config"), dict):
         check_field_types(raw["text_config"], "config.json text_config")
-    archs = raw["architectures"]
-    parser = CONFIG_PARSERS.get(archs[0])
+    # Like transformers, the first class listed decides.
+    architecture = raw["architectures"][0]
+    parser = CONFIG_PARSERS.get(architecture)
     if parser is None:
-        raise ConfigError(f"config.json: architecture {archs[0]!r} is not supported (known: {sorted(CONFIG_PARSERS)})")
+        known = sorted(CONFIG_PARSERS)
+        raise ConfigError(f"config.json: architecture {architecture!r} is not supported (known: {known})")
     return parser(raw)
 
 
