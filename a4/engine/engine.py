@@ -35,7 +35,7 @@ from a4.engine.sampling import Sampler
 from a4.kvcache.allocator import PageAllocator
 from a4.kvcache.kv_pool import KVPool
 from a4.kvcache.radix_cache import BasePrefixCache, NoPrefixCache, RadixCache
-from a4.models.registry import load_model
+from a4.models.registry import load_model, usable_device
 from a4.scheduler.cache import CacheManager
 from a4.scheduler.scheduler import Scheduler
 from a4.scheduler.table import TableManager
@@ -72,12 +72,7 @@ class EngineConfig:
             raise ValueError(f"model_dir {str(self.model_dir)!r} is not a directory")
         if self.dtype not in DTYPES and self.dtype not in DTYPES.values():
             raise ValueError(f"unknown dtype {self.dtype!r} (expected one of {sorted(DTYPES)})")
-        try:
-            device = torch.device(self.device)
-        except (RuntimeError, TypeError) as e:
-            raise ValueError(f"unknown device {self.device!r} ({e})") from None
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError(f"device {self.device!r}: CUDA is not available")
+        usable_device(self.device)
         for name in ("max_running_requests", "max_prefill_tokens", "page_size"):
             value = getattr(self, name)
             if not _is_int(value) or value <= 0:
