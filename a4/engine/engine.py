@@ -382,7 +382,7 @@ class Engine:
     def _run_batch(self, batch: Batch) -> list[Req]:
         start = time.perf_counter()
         if self.state_pool is not None:
-            self._clear_new_states(batch)
+            self.state_pool.clear_new_requests(batch.reqs)
         logits = self.model(self._forward_batch(batch))
         sampled_reqs = [req for req, sampled in zip(batch.reqs, batch.sample) if sampled]
         samples = iter(self.sampler.sample(logits, sampled_reqs))
@@ -401,17 +401,6 @@ class Engine:
         if not req.finished:
             self.scheduler.abort_req(req, "abort", error)
             self.sampler.remove_req(req)
-
-    def _clear_new_states(self, batch: Batch) -> None:
-        """Zero the state slots of the requests that start from nothing in this step (nothing of them in the pools).
-
-        The GDN layers already ignore the slot of such a request (prefix_lens 0: no initial state); clearing it too
-        means a stale state left by the slot's previous request can never be read, whoever forgets that rule. Only
-        then: a later chunk of the same request (cached_len > 0) continues from the state its slot holds.
-        """
-        new_slots = [req.table_idx for req in batch.reqs if req.cached_len == 0]
-        if new_slots:
-            self.state_pool.clear(new_slots)
 
     def _forward_batch(self, batch: Batch) -> ForwardBatch:
         """The step's new tokens in one flat row, with their positions and the KV locations they write."""
