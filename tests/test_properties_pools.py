@@ -21,7 +21,7 @@ from a4.models.config import parse_config
 from a4.scheduler.table import TableManager
 
 # Bounded for `make test`: each example runs up to stateful_step_count steps.
-MACHINE_SETTINGS = settings(max_examples=60, stateful_step_count=30)
+MACHINE_SETTINGS = settings(max_examples=40, stateful_step_count=25)
 
 
 class PageAllocatorMachine(RuleBasedStateMachine):
