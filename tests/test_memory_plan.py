@@ -163,7 +163,8 @@ class Case:
     @property
     def slot_bytes(self) -> int:
         c = self.config
-        conv_dim = 2 * c.linear_num_key_heads * c.linear_key_head_dim + c.linear_num_value_heads * c.linear_value_head_dim
+        value_dim = c.linear_num_value_heads * c.linear_value_head_dim
+        conv_dim = 2 * c.linear_num_key_heads * c.linear_key_head_dim + value_dim
         conv = conv_dim * (c.linear_conv_kernel_dim - 1) * ELEMENT_BYTES[self.dtype]
         recurrent = c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim * 4
         return c.max_position_embeddings * 8 + c.layer_types.count(LINEAR_ATTENTION) * (conv + recurrent)

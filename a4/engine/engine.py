@@ -163,8 +163,9 @@ class Engine:
 
         The prefix cache's state checkpoints, if it keeps any, are set aside first (`_checkpoint_bytes`; the default
         budget adds them to what full contexts need); the rest goes to slots first (`plan_memory`), or, for a hybrid
-        model given a `state_fraction`, to slots capped at that share of it (`plan_hybrid_memory`, notebook 06). A hybrid slot also holds its Gated DeltaNet states
-        (`StatePool.bytes_per_slot`, notebook 05), so serving Qwen3.5 with the defaults needs notebooks 01-05 only.
+        model given a `state_fraction`, to slots capped at that share of it (`plan_hybrid_memory`, notebook 06). A
+        hybrid slot also holds its Gated DeltaNet states (`StatePool.bytes_per_slot`, notebook 05), so serving Qwen3.5
+        with the defaults needs notebooks 01-05 only.
         """
         config, model_config, dtype = self.config, self.model_config, self.config.torch_dtype
         state_bytes_per_slot = 0

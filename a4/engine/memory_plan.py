@@ -10,9 +10,9 @@ Two kinds of memory grow with the work the engine takes on:
 pages: a larger budget never gives fewer slots or a shorter context. Only the full-attention layers count toward KV
 bytes, so a hybrid model (Qwen3.5, one layer in four) gets KV only where it needs it; its slots are planned the same
 way once their state is counted (`StatePool.bytes_per_slot`, notebook 05), or capped at a share of the budget by
-`plan_hybrid_memory` (hybrid_memory.py, notebook 06). Before either, the engine sets aside the bytes of the state checkpoints its prefix
-cache may keep (notebook 07): `MemoryPlan.checkpoint_bytes`. Model weights are not part of the budget: they are
-loaded before the plan is made.
+`plan_hybrid_memory` (hybrid_memory.py, notebook 06). Before either, the engine sets aside the bytes of the state
+checkpoints its prefix cache may keep (notebook 07): `MemoryPlan.checkpoint_bytes`. Model weights are not part of
+the budget: they are loaded before the plan is made.
 """
 
 from __future__ import annotations
