@@ -9,8 +9,9 @@ All prompts are queued at once and the engine runs them with continuous batching
 outputs come back in prompt order. A bad prompt gets finish_reason "error" without disturbing the others.
 
 Memory: `memory_budget_bytes` is split between request slots (`max_running_requests` of them, fewer if they do not
-fit) and KV pages. For a hybrid model, whose slots also hold their Gated DeltaNet states, `state_fraction` (in
-(0, 1)) caps the slots' share of the budget instead, so that KV keeps the rest (a4/engine/hybrid_memory.py).
+fit beside the KV of one request of the model's full context) and KV pages. For a hybrid model, whose slots also
+hold their Gated DeltaNet states, `state_fraction` (in (0, 1)) caps the slots' share of the budget instead, so that
+KV keeps the rest (a4/engine/hybrid_memory.py).
 
 Prefix cache of a hybrid model (`enable_prefix_cache=True`): a hit must also restore the Gated DeltaNet state after
 exactly the hit's tokens. `hybrid_prefix_policy="checkpoint"` (the default) keeps up to `max_state_checkpoints` copies

@@ -204,10 +204,11 @@ class Engine:
     def _plan_memory(self) -> tuple[MemoryLedger, MemoryPlan]:
         """The model's ledger, and the split of the budget between state checkpoints, request slots and KV pages.
 
-        The prefix cache's state checkpoints, if it keeps any, are set aside first (`_checkpoint_bytes`); the rest
-        goes to slots first (`plan_memory`), or, for a hybrid model given a `state_fraction`, to slots capped at that
-        share of it (`plan_hybrid_memory`, notebook 06). A hybrid slot also holds its Gated DeltaNet states
-        (`StatePool.bytes_per_slot`, notebook 05), so serving Qwen3.5 with the defaults needs notebooks 01-05 only.
+        The prefix cache's state checkpoints, if it keeps any, are set aside first (`_checkpoint_bytes`; the default
+        budget adds them to what full contexts need); the rest goes to slots first (`plan_memory`), or, for a hybrid
+        model given a `state_fraction`, to slots capped at that share of it (`plan_hybrid_memory`, notebook 06). A
+        hybrid slot also holds its Gated DeltaNet states (`StatePool.bytes_per_slot`, notebook 05), so serving Qwen3.5
+        with the defaults needs notebooks 01-05 only.
         """
         config, model_config, dtype = self.config, self.model_config, self.config.torch_dtype
         state_bytes_per_slot = 0
@@ -223,13 +224,22 @@ class Engine:
                 f"{model_config.architecture} keeps no state per request"
             )
         ledger = MemoryLedger.from_config(model_config, dtype, state_bytes_per_slot=state_bytes_per_slot)
+        checkpoint_bytes = self._checkpoint_bytes(ledger)
         budget = config.memory_budget_bytes or default_budget_bytes(
             ledger,
             max_running_requests=config.max_running_requests,
             max_context_len=model_config.max_position_embeddings,
             device=self.device,
+            checkpoint_bytes=checkpoint_bytes,
         )
-        checkpoint_bytes = self._checkpoint_bytes(ledger, budget)
+        # What must remain beside the checkpoints: one request slot and one KV page, the smallest plan.
+        if checkpoint_bytes and budget - checkpoint_bytes < ledger.bytes_per_request(config.page_size):
+            raise MemoryPlanError(
+                f"max_state_checkpoints={config.max_state_checkpoints} state checkpoints take {checkpoint_bytes:,} B "
+                f"of the {budget:,} B memory budget, leaving less than one request slot and one KV page "
+                f"({ledger.bytes_per_request(config.page_size):,} B): lower max_state_checkpoints, raise "
+                f"memory_budget_bytes, or set hybrid_prefix_policy='refuse'"
+            )
         split = dict(
             budget_bytes=budget - checkpoint_bytes,
             page_size=config.page_size,
@@ -254,21 +264,11 @@ class Engine:
             config.enable_prefix_cache and self.model_config.is_hybrid and config.hybrid_prefix_policy == "checkpoint"
         )
 
-    def _checkpoint_bytes(self, ledger: MemoryLedger, budget: int) -> int:
+    def _checkpoint_bytes(self, ledger: MemoryLedger) -> int:
         """Bytes set aside for the prefix cache's state checkpoints (each one slot's state), before slots and pages."""
         if not self._keeps_state_checkpoints:
             return 0
-        count = self.config.max_state_checkpoints
-        checkpoint_bytes = count * ledger.state_bytes_per_slot
-        # What must remain: one request slot and one KV page, the smallest plan.
-        if budget - checkpoint_bytes < ledger.bytes_per_request(self.config.page_size):
-            raise MemoryPlanError(
-                f"max_state_checkpoints={count} state checkpoints take {checkpoint_bytes:,} B of the {budget:,} B "
-                f"memory budget, leaving less than one request slot and one KV page "
-                f"({ledger.bytes_per_request(self.config.page_size):,} B): lower max_state_checkpoints, raise "
-                f"memory_budget_bytes, or set hybrid_prefix_policy='refuse'"
-            )
-        return checkpoint_bytes
+        return self.config.max_state_checkpoints * ledger.state_bytes_per_slot
 
     def _create_prefix_cache(self) -> BasePrefixCache:
         """The radix cache; for a hybrid model the one `hybrid_prefix_policy` asks for (see the module docstring)."""
