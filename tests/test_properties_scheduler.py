@@ -77,17 +77,25 @@ class FakeEngine:
     def state(self, slot: int) -> int:
         return int(self.states.conv_state(0)[slot].flatten()[0])
 
-    def generate(self, prompts: list[list[int]], max_new_tokens: int) -> list[Req]:
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, interrupt_at: int | None = None) -> list[Req]:
+        """Run the prompts to the end, or, with interrupt_at, until the model raises in that step of the call; then
+        abort the call's requests as Engine.step and LLM.generate do."""
         reqs = [Req(len(self.reqs) + i, list(p), SamplingParams(max_new_tokens=max_new_tokens))
                 for i, p in enumerate(prompts)]
         self.reqs += reqs
         for req in reqs:
             self.scheduler.add_req(req)
-        while not all(req.finished for req in reqs):
-            self.step()
+        steps = 0
+        try:
+            while not all(req.finished for req in reqs):
+                self.step(interrupt=steps == interrupt_at)
+                steps += 1
+        except KeyboardInterrupt:
+            for req in reqs:
+                self.scheduler.abort_req(req)
         return reqs
 
-    def step(self) -> None:
+    def step(self, interrupt: bool = False) -> None:
         batch = self.scheduler.schedule_next_batch()
         assert batch is not None, "stalled with unfinished requests"
         tokens = []
@@ -106,6 +114,11 @@ class FakeEngine:
                 )
                 self.states.conv_state(0)[slot] = self.code(req.all_ids[:end])
             tokens.append(next_token(req.all_ids[:end]) if sampled else None)
+        if interrupt:
+            # The forward has written KV and advanced states, but the step is never booked.
+            for req in batch.reqs:
+                self.scheduler.abort_req(req)
+            raise KeyboardInterrupt
         self.scheduler.process_batch_output(batch, tokens)
         self.check_memory()
 
@@ -150,10 +163,12 @@ def workloads(draw) -> list[list[list[int]]]:
     extra_pages=st.integers(0, 6),
     max_checkpoints=st.sampled_from([2, 4, 0, 1]),
     rounds=workloads(),
+    interrupts=st.lists(st.none() | st.integers(0, 6), min_size=4, max_size=4),
 )
 def test_pages_slots_and_states_stay_consistent(
-    kind, page_size, slots, max_prefill_tokens, max_new_tokens, extra_pages, max_checkpoints, rounds
+    kind, page_size, slots, max_prefill_tokens, max_new_tokens, extra_pages, max_checkpoints, rounds, interrupts
 ):
+    """Rounds of requests, some interrupted at a step (then aborted): every later round is still served right."""
     # The prompts, built with the outputs the model computes on its own (what the engine must reproduce).
     history: list[list[int]] = []  # each request's prompt + output
     prompts = []
@@ -165,9 +180,13 @@ def test_pages_slots_and_states_stay_consistent(
     longest = max(len(prompt) for round_ in prompts for prompt in round_) + max_new_tokens
     engine = FakeEngine(kind, page_size=page_size, slots=slots, num_pages=pages_for(longest, page_size) + extra_pages,
                         max_prefill_tokens=max_prefill_tokens, max_checkpoints=max_checkpoints)
-    for round_ in prompts:
-        reqs = engine.generate(round_, max_new_tokens)
+    for round_, interrupt_at in zip(prompts, interrupts):
+        reqs = engine.generate(round_, max_new_tokens, interrupt_at)
         for prompt, req in zip(round_, reqs):
+            if req.finish_reason == "abort":
+                event("a request aborted by an interrupted step")
+                assert req.table_idx == -1 and req.cache_handle is None
+                continue
             assert req.output_ids == expected_output(prompt, max_new_tokens), f"req {req.uid}"
             if req.prefix_hit_len:
                 event(f"{kind}: a prefix hit")
