@@ -54,6 +54,7 @@ def test_clear_zeroes_only_the_given_slots(config):
     pool = filled_pool(config, 4)
     before = [(pool.conv_state(k).clone(), pool.recurrent_state(k).clone()) for k in range(pool.num_layers)]
     pool.clear([0, 2])
+    # Here and below, states are only zeroed or copied: the others equal, bit for bit.
     for k, (conv, recurrent) in enumerate(before):
         for now, was in ((pool.conv_state(k), conv), (pool.recurrent_state(k), recurrent)):
             assert not now[[0, 2]].any()

@@ -61,7 +61,7 @@ def test_loaded_parameters_equal_transformers(checkpoint, dtype):
     assert sorted(ours) == sorted(key for key in reference if key != "lm_head.weight" or not config.tie_word_embeddings)
     for name, param in ours.items():
         assert param.dtype == getattr(torch, dtype) and not param.requires_grad
-        assert torch.equal(param, reference[name]), name
+        assert torch.equal(param, reference[name]), name  # both copy the stored tensor: equal, bit for bit
     assert sorted(report.loaded_keys) == sorted(ours) and report.skipped_keys == []
     assert report.loaded_bytes == sum(t.numel() * t.element_size() for t in read_all(checkpoint).values())
     assert not model.training

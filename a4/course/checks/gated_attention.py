@@ -140,6 +140,7 @@ def check_partial_rope(apply_partial_rope) -> None:
                 expected_x = expected[0].transpose(0, 1)
                 # x * cos + rotate_half(x) * sin: a sum of two terms, one rounding.
                 problems += compare_dtype(f"{label}, {name}", ours, expected_x, tolerance(dtype, 2), elementwise=True)
+                # The dims past rotary_dim pass through, untouched: equal, bit for bit.
                 if ours.shape == x.shape and not torch.equal(ours[..., rotary_dim:], x[..., rotary_dim:]):
                     problems.append(f"{label}, {name}: dims {rotary_dim}..47 changed; they must pass through as is")
     conclude(problems, "partial RoPE matches transformers for 3 rotary fractions in float32 and bfloat16")
@@ -225,7 +226,11 @@ def key_tolerance(config: ModelConfig, dtype: torch.dtype) -> float:
 
 
 def kv_problems(
-    label: str, config: ModelConfig, keys: torch.Tensor, values: torch.Tensor, want_keys: torch.Tensor,
+    label: str,
+    config: ModelConfig,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    want_keys: torch.Tensor,
     want_values: torch.Tensor,
 ) -> list[str]:
     """Keys and values from a KV pool against transformers' cache (values: v_proj alone)."""
