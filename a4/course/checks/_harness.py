@@ -7,7 +7,7 @@ differently, so the comparisons allow a difference that follows from the dtype a
 (`tolerance`), never a constant that happens to hold on one machine.
 
 Where the two sides do the same operations on the same values (a copy, a cast, an elementwise formula in the same
-order, the same kernel on the same shapes) the checks ask for equality instead, and say why where they do.
+order, the same kernel on the same shapes) the checks and tests ask for equality instead, and say why.
 """
 
 from __future__ import annotations
@@ -62,7 +62,8 @@ def gdn_reduction_length(config: ModelConfig, context: int) -> int:
     norms (dk), the recurrence (every token of the context adds into the state, each through a dk-long product),
     the gated norm (dv), out_proj (every value head's output)."""
     dk, dv = config.linear_key_head_dim, config.linear_value_head_dim
-    return config.hidden_size + config.linear_conv_kernel_dim + dk + context * dk + dv + config.linear_num_value_heads * dv
+    out_proj = config.linear_num_value_heads * dv
+    return config.hidden_size + config.linear_conv_kernel_dim + dk + context * dk + dv + out_proj
 
 
 def mlp_reduction_length(config: ModelConfig) -> int:
@@ -97,28 +98,28 @@ def shape_problems(what: str, tensor: torch.Tensor, shape: tuple[int, ...]) -> l
     return [f"{what}: shape {tuple(tensor.shape)}, expected {tuple(shape)}"]
 
 
-def compare(what: str, ours: torch.Tensor, expected: torch.Tensor, tolerance: float) -> list[str]:
-    """[] when `ours` has the reference's shape and max |ours - expected| <= tolerance x max |expected|, else one
-    problem. The error is measured against the largest value, not value by value: a value near zero is the
-    difference of larger terms, and carries their rounding errors, not its own."""
+def compare(what: str, ours: torch.Tensor, expected: torch.Tensor, allowed: float) -> list[str]:
+    """[] when `ours` has the reference's shape and max |ours - expected| <= allowed x max |expected| (`allowed`
+    from `tolerance`), else one problem. The error is measured against the largest value, not value by value: a
+    value near zero is the difference of larger terms, and carries their rounding errors, not its own."""
     if wrong_shape := shape_problems(what, ours, expected.shape):
         return wrong_shape
     scale = expected.double().abs().max().item()
     error = (ours.double() - expected.double()).abs().max().item()
-    if not error <= tolerance * scale:  # also catches NaN
-        return [f"{what}: max error {error:.3g} against values up to {scale:.3g} (allowed: {tolerance:.3g} of that)"]
+    if not error <= allowed * scale:  # also catches NaN
+        return [f"{what}: max error {error:.3g} against values up to {scale:.3g} (allowed: {allowed:.3g} of that)"]
     return []
 
 
 def compare_dtype(
-    what: str, ours: torch.Tensor, expected: torch.Tensor, tolerance: float, elementwise: bool = False
+    what: str, ours: torch.Tensor, expected: torch.Tensor, allowed: float, elementwise: bool = False
 ) -> list[str]:
     """compare(), and `ours` in the reference's dtype.
 
     elementwise: the result of a formula applied value by value (a norm, a rotation, a conv), where in bfloat16 the
     share of values rounded differently from the reference's also shows whether the casts happen at the same steps.
     """
-    problems = compare(what, ours, expected, tolerance)
+    problems = compare(what, ours, expected, allowed)
     if ours.dtype != expected.dtype:
         problems.append(f"{what}: dtype {ours.dtype}, expected {expected.dtype} (the input's)")
     elif elementwise and not problems and expected.dtype == torch.bfloat16:
@@ -131,9 +132,9 @@ def compare_dtype(
     return problems
 
 
-def assert_close(ours: torch.Tensor, expected: torch.Tensor, tolerance: float, what: str = "output") -> None:
+def assert_close(ours: torch.Tensor, expected: torch.Tensor, allowed: float, what: str = "output") -> None:
     """compare() for the unit tests: raises CheckFailed (an AssertionError) with the problem."""
-    if problems := compare(what, ours, expected, tolerance):
+    if problems := compare(what, ours, expected, allowed):
         raise CheckFailed(problems[0])
 
 

@@ -216,7 +216,8 @@ class AttentionPair:
         for slot, cache in self.caches.items():
             locations = self.table.locations(slot)
             keys, values = (x[0].transpose(0, 1) for x in (cache.layers[0].keys, cache.layers[0].values))
-            problems += kv_problems(f"{label}, slot {slot}", self.config, k_buf[locations], v_buf[locations], keys, values)
+            ours = (k_buf[locations], v_buf[locations])
+            problems += kv_problems(f"{label}, slot {slot}", self.config, *ours, keys, values)
         return problems
 
 
