@@ -212,8 +212,10 @@ def test_engine_pools_hold_kv_for_full_attention_only_and_fit_the_budget(
     slot, page = c["table"] + c["state"], page_size * c["kv"]
     # The prefix cache's state checkpoints (one slot's state each) come out of the budget before slots and pages.
     budget = checkpoints * c["state"] + slots_budget * slot + tokens_budget * c["kv"]
-    engine = LLM(tiny_qwen3_5, memory_budget_bytes=budget, max_running_requests=max_running_requests, page_size=page_size,
-                 state_fraction=fraction, max_state_checkpoints=checkpoints).engine
+    engine = LLM(
+        tiny_qwen3_5, memory_budget_bytes=budget, max_running_requests=max_running_requests, page_size=page_size,
+        state_fraction=fraction, max_state_checkpoints=checkpoints,
+    ).engine  # fmt: skip
     rest = budget - checkpoints * c["state"]
     slots = min(max_running_requests, (rest - page) // slot)
     if fraction is not None:

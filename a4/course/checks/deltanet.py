@@ -9,9 +9,9 @@ Ground truths:
 - for the whole model, transformers' `Qwen3_5ForConditionalGeneration` on the tiny checkpoint (its greedy `generate`
   and its logits).
 
-The layer checks use shapes that neither the notebook nor the tiny checkpoint has (value heads 3x key heads, dk !=
-dv, conv kernels 2, 3 and 4), so nothing in the code under test may assume a particular shape. How close is close
-enough comes from `a4.course.checks._harness.tolerance`.
+The layer checks use shapes that neither the notebook nor the tiny checkpoint has (value heads 3x key heads or as
+many, dk != dv, conv kernels 2, 3 and 4), so nothing in the code under test may assume a particular shape. How close
+is close enough comes from `a4.course.checks._harness.tolerance`.
 """
 
 from __future__ import annotations
@@ -370,10 +370,14 @@ class LayerPair:
                 expected.append(self.reference(hidden[None], cache=self.caches[slot])[0])
         return ours, torch.cat(expected)
 
-    def tolerance(self) -> float:
+    def output_tolerance(self) -> float:
         """For the layer's outputs and states: the sums over the longest context so far."""
         context = max(self.table.lens)
         return tolerance(self.dtype, gdn_reduction_length(self.config, context), roundings=GDN_ROUNDINGS)
+
+    def step_problems(self, what: str, new_tokens: dict[int, int], seed: int) -> list[str]:
+        """One `step`: a4's outputs against transformers'."""
+        return compare_dtype(what, *self.step(new_tokens, seed), self.output_tolerance())
 
     def state_problems(self, label: str) -> list[str]:
         """a4's state rows of every request against transformers' cache of that request."""
@@ -386,7 +390,7 @@ class LayerPair:
             conv_tolerance = tolerance(self.dtype, self.config.hidden_size)
             problems += compare_dtype(f"{label}, slot {slot}, conv state", self.conv_state[slot], conv, conv_tolerance)
             problems += compare_dtype(
-                f"{label}, slot {slot}, recurrent state", self.recurrent_state[slot], recurrent, self.tolerance()
+                f"{label}, slot {slot}, recurrent state", self.recurrent_state[slot], recurrent, self.output_tolerance()
             )
         return problems
 
@@ -407,15 +411,14 @@ def run_layer_scenario(layer_class: type, shape_name: str, dtype: torch.dtype) -
     label = f"{shape_name}, {dtype_name(dtype)}"
     problems = {"prefill": [], "decode": [], "states": []}
     lengths = ", ".join(map(str, FIRST_PREFILL.values()))
-    first = pair.step(FIRST_PREFILL, seed=1)
-    problems["prefill"] += compare_dtype(f"{label}, prefill of requests of {lengths} tokens", *first, pair.tolerance())
+    first_label = f"{label}, prefill of requests of {lengths} tokens"
+    problems["prefill"] += pair.step_problems(first_label, FIRST_PREFILL, seed=1)
     problems["states"] += pair.state_problems(f"{label}, after the prefill")
-    second = pair.step(SECOND_CHUNK, seed=2)
     second_label = f"{label}, second prefill chunk of {SECOND_CHUNK[1]} tokens"
-    problems["prefill"] += compare_dtype(second_label, *second, pair.tolerance())
+    problems["prefill"] += pair.step_problems(second_label, SECOND_CHUNK, seed=2)
     for i in range(DECODE_STEPS):
-        outputs = pair.step({slot: 1 for slot in FIRST_PREFILL}, seed=10 * i)
-        problems["decode"] += compare_dtype(f"{label}, decode step {i + 1} of 3 requests", *outputs, pair.tolerance())
+        decode = {slot: 1 for slot in FIRST_PREFILL}
+        problems["decode"] += pair.step_problems(f"{label}, decode step {i + 1} of 3 requests", decode, seed=10 * i)
     problems["states"] += pair.state_problems(f"{label}, after {DECODE_STEPS} decode steps")
     return problems
 

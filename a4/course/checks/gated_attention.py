@@ -195,7 +195,11 @@ class AttentionPair:
                 expected.append(self._reference(hidden, prefix_len, self.caches[slot]))
         return ours, torch.cat(expected)
 
-    def tolerance(self) -> float:
+    def step_problems(self, what: str, new_tokens: dict[int, int], seed: int) -> list[str]:
+        """One `step`: a4's outputs against transformers'."""
+        return compare_dtype(what, *self.step(new_tokens, seed), self.output_tolerance())
+
+    def output_tolerance(self) -> float:
         """For the layer's outputs: the sums over the longest context so far."""
         return tolerance(
             self.dtype, attention_reduction_length(self.config, max(self.table.lens)), roundings=ATTENTION_ROUNDINGS
@@ -255,13 +259,11 @@ def run_batched_pair(
     rotary_dim = pair.config.rotary_dim
     label = f"random layer (6 heads over 2 KV heads, head_dim 48, {rotary_dim} rotated), {dtype_name(dtype)}"
     problems = {"prefill": [], "decode": [], "kv": []}
-    outputs = pair.step(FIRST_PREFILL, seed=1)
-    problems["prefill"] += compare_dtype(f"{label}, prefill of 3 requests", *outputs, pair.tolerance())
-    outputs = pair.step(SECOND_CHUNK, seed=2)
-    problems["prefill"] += compare_dtype(f"{label}, second prefill chunk", *outputs, pair.tolerance())
+    problems["prefill"] += pair.step_problems(f"{label}, prefill of 3 requests", FIRST_PREFILL, seed=1)
+    problems["prefill"] += pair.step_problems(f"{label}, second prefill chunk", SECOND_CHUNK, seed=2)
     for i in range(DECODE_STEPS):
-        outputs = pair.step({slot: 1 for slot in FIRST_PREFILL}, seed=10 * i)
-        problems["decode"] += compare_dtype(f"{label}, decode step {i + 1} of 3 requests", *outputs, pair.tolerance())
+        decode = {slot: 1 for slot in FIRST_PREFILL}
+        problems["decode"] += pair.step_problems(f"{label}, decode step {i + 1} of 3 requests", decode, seed=10 * i)
     problems["kv"] += pair.kv_problems(label)
     return problems
 
