@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test unit notebooks book grade release bench clean
+.PHONY: demo test unit unit-portable notebooks book grade release bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -21,11 +21,21 @@ demo: $(STAMP)
 
 # The student skeleton in sync with solutions/, the unit tests (against the reference solutions), the notebooks
 # against the reference solutions and against the skeleton, the book.
-# Two pytest workers on two cores: one torch thread each, or every small op pays for thread oversubscription.
 test: $(STAMP)
 	$(PY) -m a4.course check
-	OMP_NUM_THREADS=1 A4_SOLUTIONS=1 $(PY) -m pytest -q -n 2 --dist loadfile tests
+	$(MAKE) unit
 	$(MAKE) notebooks book
+
+# Two pytest workers on two cores: one torch thread each (THREADS), or every small op pays for thread
+# oversubscription. Another thread count splits the sums differently: `make unit THREADS=2`.
+THREADS ?= 1
+unit: $(STAMP)
+	OMP_NUM_THREADS=$(THREADS) A4_SOLUTIONS=1 $(PY) -m pytest -q -n 2 --dist loadfile tests
+
+# The unit tests on PyTorch's plain C++ kernels instead of this CPU's vectorised ones: sums in another order, as on
+# another CPU (CI runs this after `make test`). `ATEN_CPU_CAPABILITY=avx2 make unit` tries AVX2's kernels.
+unit-portable: $(STAMP)
+	ATEN_CPU_CAPABILITY=default $(MAKE) unit
 
 # Every cell passes with A4_SOLUTIONS=1; on the skeleton every check cell fails and no other cell does.
 notebooks: $(STAMP)

@@ -345,6 +345,7 @@ def test_next_seed_when_the_first_repeats_itself(tmp_path, monkeypatch):
     assert len(calls) == 2
     seed_one = make_checkpoint(tmp_path / "seed_one", "qwen3", seed=1, verify=False)
     assert read_tensors(retried).keys() == read_tensors(seed_one).keys()
+    # Both drawn by the same seeded generator: equal, bit for bit.
     assert all(torch.equal(t, read_tensors(seed_one)[name]) for name, t in read_tensors(retried).items())
     assert sorted(p.name for p in tmp_path.iterdir()) == ["retried", "seed_one"]
 

@@ -21,54 +21,49 @@ from a4.course.checks import radix as checks
 from a4.course.checks.state_pool import expected_bytes_per_slot, read_config
 from a4.engine.memory_plan import MemoryPlanError
 from a4.kvcache.radix_cache import CacheHandle, MatchResult, RadixCache
-from helpers import run_python
 
 
-@pytest.fixture(scope="module")
-def ckpt(tiny_qwen3_5):
-    return tiny_qwen3_5
 
-
-def test_refuse_never_hits_and_matches_transformers(ckpt):
-    checks.check_refuse(ckpt)
+def test_refuse_never_hits_and_matches_transformers(tiny_qwen3_5):
+    checks.check_refuse(tiny_qwen3_5)
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_multi_turn_chat_hits_the_end_of_the_last_turn(ckpt, page_size):
-    checks.check_checkpoint(ckpt, page_size=page_size)
+def test_multi_turn_chat_hits_the_end_of_the_last_turn(tiny_qwen3_5, page_size):
+    checks.check_checkpoint(tiny_qwen3_5, page_size=page_size)
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_chunked_prefill_hits_exactly_at_stored_checkpoints(ckpt, page_size):
-    checks.check_hit_positions(ckpt, page_size=page_size)
+def test_chunked_prefill_hits_exactly_at_stored_checkpoints(tiny_qwen3_5, page_size):
+    checks.check_hit_positions(tiny_qwen3_5, page_size=page_size)
 
 
-def test_a_hit_copies_the_checkpoint_and_leaves_it_unchanged(ckpt):
-    checks.check_immutable(ckpt)
+def test_a_hit_copies_the_checkpoint_and_leaves_it_unchanged(tiny_qwen3_5):
+    checks.check_immutable(tiny_qwen3_5)
 
 
-def test_checkpoints_are_evicted_least_recently_used_first(ckpt):
-    checks.check_eviction(ckpt)
+def test_checkpoints_are_evicted_least_recently_used_first(tiny_qwen3_5):
+    checks.check_eviction(tiny_qwen3_5)
 
 
-def test_page_size_16_pauses_the_prefill_at_the_prompts_last_page_boundary(ckpt):
+def test_page_size_16_pauses_the_prefill_at_the_prompts_last_page_boundary(tiny_qwen3_5):
     # 40 tokens in pages of 16: the state after 40 tokens cannot be kept (its last page is partial), the one after
     # 32 can, if the prefill stops there; after 4 generated tokens the request has fed 43 tokens: not aligned either.
-    llm = LLM(ckpt, page_size=16)
-    prompt = checks.random_prompt(random.Random(8), checks.allowed_tokens(ckpt), 40)
+    llm = LLM(tiny_qwen3_5, page_size=16)
+    prompt = checks.random_prompt(random.Random(8), checks.allowed_tokens(tiny_qwen3_5), 40)
     out = llm.generate([prompt], SamplingParams(max_new_tokens=4))[0]
-    assert out.token_ids == checks.reference_tokens(ckpt, [prompt], 4)[0]
+    assert out.token_ids == checks.reference_tokens(tiny_qwen3_5, [prompt], 4)[0]
     assert llm.stats.prefill_steps == 2 and llm.stats.prefill_tokens == 40
     assert [tokens for tokens, _ in llm.engine.cache_manager.prefix_cache.checkpoints()] == [prompt[:32]]
 
 
-def test_checkpoint_is_the_default_policy(ckpt):
+def test_checkpoint_is_the_default_policy(tiny_qwen3_5):
     from a4.kvcache.hybrid_radix_cache import HybridRadixCache
 
-    llm = LLM(ckpt)
+    llm = LLM(tiny_qwen3_5)
     assert isinstance(llm.engine.cache_manager.prefix_cache, HybridRadixCache)
     assert llm.engine.prefix_cache_enabled
-    assert not LLM(ckpt, hybrid_prefix_policy="refuse").engine.prefix_cache_enabled
+    assert not LLM(tiny_qwen3_5, hybrid_prefix_policy="refuse").engine.prefix_cache_enabled
 
 
 # ------------------------------------------------------------------------------------ the checks catch known bugs
@@ -121,26 +116,26 @@ def saves_off_the_page_boundary(base):
 @pytest.mark.parametrize(
     "make_bug, check",
     [
-        (hits_kv_without_state, lambda ckpt: checks.check_hit_positions(ckpt)),
-        (never_hits, lambda ckpt: checks.check_checkpoint(ckpt)),
-        (saves_off_the_page_boundary, lambda ckpt: checks.check_hit_positions(ckpt, page_size=16)),
+        (hits_kv_without_state, lambda tiny_qwen3_5: checks.check_hit_positions(tiny_qwen3_5)),
+        (never_hits, lambda tiny_qwen3_5: checks.check_checkpoint(tiny_qwen3_5)),
+        (saves_off_the_page_boundary, lambda tiny_qwen3_5: checks.check_hit_positions(tiny_qwen3_5, page_size=16)),
     ],
     ids=["bug4-hit-without-state", "bug5-never-hits", "bug3-state-of-another-length"],
 )
-def test_the_checks_catch_the_bugs_users_hit(ckpt, monkeypatch, make_bug, check):
+def test_the_checks_catch_the_bugs_users_hit(tiny_qwen3_5, monkeypatch, make_bug, check):
     import a4.kvcache.hybrid_radix_cache as module
 
     monkeypatch.setattr(module, "HybridRadixCache", make_bug(module.HybridRadixCache))
     with pytest.raises(CheckFailed, match="cached_tokens is"):
-        check(ckpt)
+        check(tiny_qwen3_5)
 
 
 # ----------------------------------------------------------------------------------------------------- memory
 
 
-def float32_figures(ckpt) -> tuple[int, int, int]:
+def float32_figures(tiny_qwen3_5) -> tuple[int, int, int]:
     """(state bytes, slot bytes, KV bytes per token) of the checkpoint in float32, from config.json."""
-    raw = read_config(ckpt)
+    raw = read_config(tiny_qwen3_5)
     text = raw["text_config"]
     state = expected_bytes_per_slot(raw, torch.float32)
     slot = state + text["max_position_embeddings"] * 8  # + its req_to_token row of int64 locations
@@ -148,29 +143,29 @@ def float32_figures(ckpt) -> tuple[int, int, int]:
     return state, slot, kv_per_token
 
 
-def test_memory_plan_sets_the_checkpoints_aside(ckpt):
-    state, slot, kv_per_token = float32_figures(ckpt)
+def test_memory_plan_sets_the_checkpoints_aside(tiny_qwen3_5):
+    state, slot, kv_per_token = float32_figures(tiny_qwen3_5)
     # Three slots beside the KV of a full-length request (the plan's condition for a second slot) and 500 tokens.
-    context = read_config(ckpt)["text_config"]["max_position_embeddings"]
+    context = read_config(tiny_qwen3_5)["text_config"]["max_position_embeddings"]
     budget = 40 * state + 3 * slot + (context + 500) * kv_per_token
-    llm = LLM(ckpt, memory_budget_bytes=budget, max_running_requests=3, max_state_checkpoints=10)
+    llm = LLM(tiny_qwen3_5, memory_budget_bytes=budget, max_running_requests=3, max_state_checkpoints=10)
     plan = llm.memory_plan
     assert plan.budget_bytes == budget and plan.checkpoint_bytes == 10 * state
     assert plan.max_running_requests == 3
     assert plan.num_pages == (budget - 10 * state - 3 * slot) // kv_per_token
     assert plan.used_bytes <= budget and "state checkpoints 10" in plan.describe()
     # What the cache really holds stays within what the plan set aside.
-    checks.play_chat(llm, checks.chat_workload(ckpt, conversations=3, turns=5))
+    checks.play_chat(llm, checks.chat_workload(tiny_qwen3_5, conversations=3, turns=5))
     stored = llm.engine.cache_manager.prefix_cache.checkpoints()
     assert len(stored) == 10 and sum(saved.nbytes for _, saved in stored) <= plan.checkpoint_bytes
     for policy in [dict(hybrid_prefix_policy="refuse"), dict(enable_prefix_cache=False)]:
-        assert LLM(ckpt, memory_budget_bytes=budget, **policy).memory_plan.checkpoint_bytes == 0
+        assert LLM(tiny_qwen3_5, memory_budget_bytes=budget, **policy).memory_plan.checkpoint_bytes == 0
 
 
-def test_a_budget_too_small_for_the_checkpoints_names_them(ckpt):
-    state, _, _ = float32_figures(ckpt)
+def test_a_budget_too_small_for_the_checkpoints_names_them(tiny_qwen3_5):
+    state, _, _ = float32_figures(tiny_qwen3_5)
     with pytest.raises(MemoryPlanError, match="max_state_checkpoints=16"):
-        LLM(ckpt, memory_budget_bytes=16 * state)
+        LLM(tiny_qwen3_5, memory_budget_bytes=16 * state)
 
 
 def test_hits_under_kv_pressure_land_on_stored_checkpoints():
@@ -227,7 +222,7 @@ def test_all_attention_model_keeps_the_ordinary_radix_cache(tiny_qwen3):
     assert [out.cached_tokens for out in outputs] == [0, 37]
 
 
-def test_serving_qwen3_never_imports_the_hybrid_radix_cache():
+def test_serving_qwen3_never_imports_the_hybrid_radix_cache(run_python):
     code = (
         "import sys\n"
         "from a4 import LLM\n"
@@ -249,14 +244,14 @@ def test_serving_qwen3_never_imports_the_hybrid_radix_cache():
         (dict(max_state_checkpoints=True), "max_state_checkpoints must be a non-negative integer, got True"),
     ],
 )
-def test_bad_settings_are_refused_by_name(ckpt, tiny_qwen3, setting, message):
-    for model in (ckpt, tiny_qwen3):
+def test_bad_settings_are_refused_by_name(tiny_qwen3_5, tiny_qwen3, setting, message):
+    for model in (tiny_qwen3_5, tiny_qwen3):
         with pytest.raises(ValueError, match=message):
             LLM(model, **setting)
 
 
-def test_no_checkpoints_means_no_hits(ckpt):
-    llm = LLM(ckpt, max_state_checkpoints=0)
+def test_no_checkpoints_means_no_hits(tiny_qwen3_5):
+    llm = LLM(tiny_qwen3_5, max_state_checkpoints=0)
     assert llm.memory_plan.checkpoint_bytes == 0
-    workload = checks.chat_workload(ckpt, conversations=1, turns=3)
+    workload = checks.chat_workload(tiny_qwen3_5, conversations=1, turns=3)
     assert [turn.cached_tokens for turn in checks.play_chat(llm, workload)] == [0, 0, 0]

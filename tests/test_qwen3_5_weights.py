@@ -52,6 +52,7 @@ def test_loaded_parameters_equal_transformers(checkpoint):
     # Every text-model parameter of transformers exists in a4, and nothing else does.
     hf_text = {name for name in hf_params if name.startswith("model.language_model.") or name == "lm_head.weight"}
     assert {transformers_name(name) for name in ours} == hf_text
+    # Both copy the stored tensors: equal, bit for bit.
     different = [name for name, param in ours.items() if not torch.equal(param, hf_params[transformers_name(name)])]
     assert not different, f"{len(different)} parameters differ from transformers', e.g. {different[:3]}"
 

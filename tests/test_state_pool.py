@@ -20,13 +20,8 @@ from a4.models.config import parse_config
 
 
 @pytest.fixture(scope="module")
-def checkpoint():
-    return tiny_checkpoint("qwen3_5")
-
-
-@pytest.fixture(scope="module")
-def config(checkpoint):
-    return parse_config(checks.read_config(checkpoint))
+def config(tiny_qwen3_5):
+    return parse_config(checks.read_config(tiny_qwen3_5))
 
 
 def filled_pool(config, num_slots: int, dtype: torch.dtype = torch.float32) -> StatePool:
@@ -39,22 +34,22 @@ def filled_pool(config, num_slots: int, dtype: torch.dtype = torch.float32) -> S
     return pool
 
 
-def test_layout_one_conv_and_one_recurrent_state_per_gdn_layer(checkpoint):
-    checks.check_pool_layout(StatePool, checkpoint)
+def test_layout_one_conv_and_one_recurrent_state_per_gdn_layer(tiny_qwen3_5):
+    checks.check_pool_layout(StatePool, tiny_qwen3_5)
 
 
-def test_bytes_per_slot_matches_config_json(checkpoint):
-    checks.check_bytes_per_slot(StatePool.bytes_per_slot, checkpoint)
+def test_bytes_per_slot_matches_config_json(tiny_qwen3_5):
+    checks.check_bytes_per_slot(StatePool.bytes_per_slot, tiny_qwen3_5)
 
 
-def test_save_and_restore(checkpoint):
-    checks.check_save_restore(StatePool, checkpoint)
+def test_save_and_restore(tiny_qwen3_5):
+    checks.check_save_restore(StatePool, tiny_qwen3_5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_pool_bytes_are_slots_times_bytes_per_slot(checkpoint, config, dtype):
+def test_pool_bytes_are_slots_times_bytes_per_slot(tiny_qwen3_5, config, dtype):
     pool = StatePool(config, 5, dtype, "cpu")
-    expected = 5 * checks.expected_bytes_per_slot(checks.read_config(checkpoint), dtype)
+    expected = 5 * checks.expected_bytes_per_slot(checks.read_config(tiny_qwen3_5), dtype)
     allocated = sum(pool.conv_state(k).nbytes + pool.recurrent_state(k).nbytes for k in range(pool.num_layers))
     assert pool.total_bytes == allocated == expected
 
@@ -63,6 +58,7 @@ def test_clear_zeroes_only_the_given_slots(config):
     pool = filled_pool(config, 4)
     before = [(pool.conv_state(k).clone(), pool.recurrent_state(k).clone()) for k in range(pool.num_layers)]
     pool.clear([0, 2])
+    # Here and below, states are only zeroed or copied: the others equal, bit for bit.
     for k, (conv, recurrent) in enumerate(before):
         for now, was in ((pool.conv_state(k), conv), (pool.recurrent_state(k), recurrent)):
             assert not now[[0, 2]].any()

@@ -17,17 +17,11 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 import a4.models.weights as weights
-from a4.checkpoints import tiny_checkpoint
 from a4.models.config import ConfigError, load_model_config
 from a4.models.qwen3 import Qwen3ForCausalLM
 from a4.models.registry import load_model
 from a4.models.weights import WeightLoadError, load_weights
 from a4.reference import load_hf_model
-
-
-@pytest.fixture(scope="module")
-def checkpoint() -> Path:
-    return tiny_checkpoint("qwen3")
 
 
 def read_all(model_dir: Path) -> dict[str, torch.Tensor]:
@@ -54,25 +48,25 @@ def fresh_model(model_dir: Path) -> Qwen3ForCausalLM:
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_loaded_parameters_equal_transformers(checkpoint, dtype):
-    config, model, report = load_model(checkpoint, dtype=dtype, device="cpu", progress=False)
-    reference = load_hf_model(checkpoint, dtype).state_dict()
+def test_loaded_parameters_equal_transformers(tiny_qwen3, dtype):
+    config, model, report = load_model(tiny_qwen3, dtype=dtype, device="cpu", progress=False)
+    reference = load_hf_model(tiny_qwen3, dtype).state_dict()
     ours = dict(model.named_parameters())
     assert sorted(ours) == sorted(key for key in reference if key != "lm_head.weight" or not config.tie_word_embeddings)
     for name, param in ours.items():
         assert param.dtype == getattr(torch, dtype) and not param.requires_grad
-        assert torch.equal(param, reference[name]), name
+        assert torch.equal(param, reference[name]), name  # both copy the stored tensor: equal, bit for bit
     assert sorted(report.loaded_keys) == sorted(ours) and report.skipped_keys == []
-    assert report.loaded_bytes == sum(t.numel() * t.element_size() for t in read_all(checkpoint).values())
+    assert report.loaded_bytes == sum(t.numel() * t.element_size() for t in read_all(tiny_qwen3).values())
     assert not model.training
 
 
-def test_missing_unexpected_and_misshaped_are_all_reported(checkpoint, tmp_path):
-    tensors = read_all(checkpoint)
+def test_missing_unexpected_and_misshaped_are_all_reported(tiny_qwen3, tmp_path):
+    tensors = read_all(tiny_qwen3)
     del tensors["model.layers.1.mlp.up_proj.weight"]
     tensors["model.layers.0.self_attn.bogus.weight"] = torch.zeros(3, 4)
     tensors["model.layers.2.self_attn.k_norm.weight"] = torch.ones(7)
-    broken = rewritten(checkpoint, tmp_path / "broken", tensors)
+    broken = rewritten(tiny_qwen3, tmp_path / "broken", tensors)
     model = fresh_model(broken)
     with pytest.raises(WeightLoadError) as err:
         load_weights(model, broken, device="cpu", dtype=torch.float32, progress=False)
@@ -85,8 +79,8 @@ def test_missing_unexpected_and_misshaped_are_all_reported(checkpoint, tmp_path)
 
 
 @pytest.mark.parametrize("problem", ["missing", "unexpected", "misshaped"])
-def test_each_misfit_alone_raises(checkpoint, tmp_path, problem):
-    tensors = read_all(checkpoint)
+def test_each_misfit_alone_raises(tiny_qwen3, tmp_path, problem):
+    tensors = read_all(tiny_qwen3)
     key = "model.norm.weight"
     if problem == "missing":
         del tensors[key]
@@ -95,7 +89,7 @@ def test_each_misfit_alone_raises(checkpoint, tmp_path, problem):
         tensors[key] = torch.zeros(2)
     else:
         tensors[key] = torch.ones(3)
-    broken = rewritten(checkpoint, tmp_path / problem, tensors)
+    broken = rewritten(tiny_qwen3, tmp_path / problem, tensors)
     with pytest.raises(WeightLoadError, match=key.replace(".", r"\.")):
         load_weights(fresh_model(broken), broken, device="cpu", dtype=torch.float32, progress=False)
 
@@ -130,10 +124,10 @@ class GetTensorSpy:
         return Handle()
 
 
-def test_keys_mapped_to_none_are_skipped_without_being_read(checkpoint, tmp_path, monkeypatch):
-    tensors = read_all(checkpoint)
+def test_keys_mapped_to_none_are_skipped_without_being_read(tiny_qwen3, tmp_path, monkeypatch):
+    tensors = read_all(tiny_qwen3)
     tensors["model.visual.patch_embed.weight"] = torch.randn(16, 8)
-    with_vision = rewritten(checkpoint, tmp_path / "with_vision", tensors)
+    with_vision = rewritten(tiny_qwen3, tmp_path / "with_vision", tensors)
     spy = GetTensorSpy()
     monkeypatch.setattr(weights, "safe_open", spy)
 
@@ -149,9 +143,9 @@ def test_keys_mapped_to_none_are_skipped_without_being_read(checkpoint, tmp_path
     assert torch.equal(model.model.norm.weight, tensors["model.norm.weight"].float())
 
 
-def test_key_map_renames(checkpoint, tmp_path):
-    tensors = {f"language_model.{key}": t for key, t in read_all(checkpoint).items()}
-    prefixed = rewritten(checkpoint, tmp_path / "prefixed", tensors)
+def test_key_map_renames(tiny_qwen3, tmp_path):
+    tensors = {f"language_model.{key}": t for key, t in read_all(tiny_qwen3).items()}
+    prefixed = rewritten(tiny_qwen3, tmp_path / "prefixed", tensors)
     model = fresh_model(prefixed)
     report = load_weights(
         model, prefixed, key_map=lambda k: k.removeprefix("language_model."), device="cpu", dtype=torch.float32,
@@ -162,12 +156,12 @@ def test_key_map_renames(checkpoint, tmp_path):
 
 
 @pytest.mark.parametrize("checkpoint_has_lm_head", [False, True])
-def test_tied_embeddings(checkpoint, tmp_path, checkpoint_has_lm_head):
-    tensors = read_all(checkpoint)
+def test_tied_embeddings(tiny_qwen3, tmp_path, checkpoint_has_lm_head):
+    tensors = read_all(tiny_qwen3)
     del tensors["lm_head.weight"]
     if checkpoint_has_lm_head:  # some tied checkpoints still store the alias (a copy): skipped, not read twice
         tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
-    tied = rewritten(checkpoint, tmp_path / "tied", tensors, tie_word_embeddings=True)
+    tied = rewritten(tiny_qwen3, tmp_path / "tied", tensors, tie_word_embeddings=True)
     config, model, report = load_model(tied, dtype="float32", device="cpu", progress=False)
     assert config.tie_word_embeddings
     assert model.lm_head.weight is model.model.embed_tokens.weight
@@ -175,18 +169,18 @@ def test_tied_embeddings(checkpoint, tmp_path, checkpoint_has_lm_head):
     assert report.skipped_keys == (["lm_head.weight"] if checkpoint_has_lm_head else [])
 
 
-def test_no_checkpoint_files(tmp_path, checkpoint):
-    shutil.copy(checkpoint / "config.json", tmp_path)
+def test_no_checkpoint_files(tmp_path, tiny_qwen3):
+    shutil.copy(tiny_qwen3 / "config.json", tmp_path)
     with pytest.raises(WeightLoadError, match="model.safetensors"):
         load_model(tmp_path, dtype="float32", device="cpu", progress=False)
 
 
-def test_unknown_architecture_and_dtype(checkpoint, tmp_path):
-    other = rewritten(checkpoint, tmp_path / "other", read_all(checkpoint), architectures=["LlamaForCausalLM"])
+def test_unknown_architecture_and_dtype(tiny_qwen3, tmp_path):
+    other = rewritten(tiny_qwen3, tmp_path / "other", read_all(tiny_qwen3), architectures=["LlamaForCausalLM"])
     with pytest.raises(ConfigError, match="LlamaForCausalLM"):
         load_model(other, dtype="float32", device="cpu", progress=False)
     with pytest.raises(ValueError, match="float8"):
-        load_model(checkpoint, dtype="float8", device="cpu", progress=False)
+        load_model(tiny_qwen3, dtype="float8", device="cpu", progress=False)
 
 
 def load_qwen3(model_dir: Path) -> None:
@@ -194,25 +188,25 @@ def load_qwen3(model_dir: Path) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.uint8, torch.bool])
-def test_integer_or_bool_tensor_is_an_error_naming_it(checkpoint, tmp_path, dtype):
+def test_integer_or_bool_tensor_is_an_error_naming_it(tiny_qwen3, tmp_path, dtype):
     """A weight stored as integers would load (cast to float) and make the model emit token 0 for ever."""
-    tensors = read_all(checkpoint)
+    tensors = read_all(tiny_qwen3)
     key = "model.layers.1.self_attn.q_proj.weight"
     tensors[key] = torch.ones_like(tensors[key], dtype=dtype)
-    broken = rewritten(checkpoint, tmp_path / "integer", tensors)
+    broken = rewritten(tiny_qwen3, tmp_path / "integer", tensors)
     with pytest.raises(WeightLoadError, match=re.escape(f"wrong dtype: {key} is ") + r"\w+ in model\.safetensors"):
         load_qwen3(broken)
 
 
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])
-def test_non_finite_weights_are_an_error_naming_the_tensor(checkpoint, tmp_path, value):
-    tensors = read_all(checkpoint)
+def test_non_finite_weights_are_an_error_naming_the_tensor(tiny_qwen3, tmp_path, value):
+    tensors = read_all(tiny_qwen3)
     key = "model.layers.2.mlp.down_proj.weight"
     tensors[key] = tensors[key].clone()
     tensors[key][3, 5] = value
     tensors["model.norm.weight"] = tensors["model.norm.weight"].clone()
     tensors["model.norm.weight"][0] = value
-    broken = rewritten(checkpoint, tmp_path / "non_finite", tensors)
+    broken = rewritten(tiny_qwen3, tmp_path / "non_finite", tensors)
     with pytest.raises(WeightLoadError) as err:
         load_qwen3(broken)
     message = str(err.value)
@@ -226,8 +220,8 @@ def sharded_copy(source: Path, target: Path) -> Path:
 
 
 @pytest.mark.parametrize("kept_bytes", [0, 5, 100, -1])
-def test_truncated_or_empty_shard_names_the_file(checkpoint, tmp_path, kept_bytes):
-    broken = sharded_copy(checkpoint, tmp_path / "truncated")
+def test_truncated_or_empty_shard_names_the_file(tiny_qwen3, tmp_path, kept_bytes):
+    broken = sharded_copy(tiny_qwen3, tmp_path / "truncated")
     shard = sorted(broken.glob("*.safetensors"))[1]
     data = shard.read_bytes()
     shard.write_bytes(data[: kept_bytes % len(data)])
@@ -235,8 +229,8 @@ def test_truncated_or_empty_shard_names_the_file(checkpoint, tmp_path, kept_byte
         load_model(broken, dtype="float32", device="cpu", progress=False)
 
 
-def test_truncated_single_file_names_the_file(checkpoint, tmp_path):
-    single = rewritten(checkpoint, tmp_path / "single", read_all(checkpoint))
+def test_truncated_single_file_names_the_file(tiny_qwen3, tmp_path):
+    single = rewritten(tiny_qwen3, tmp_path / "single", read_all(tiny_qwen3))
     path = single / "model.safetensors"
     path.write_bytes(path.read_bytes()[:-10])
     with pytest.raises(WeightLoadError, match=r"model\.safetensors: not a complete safetensors file"):
@@ -276,8 +270,8 @@ def with_weight_map(change):
         ),
     ],
 )
-def test_broken_index_names_the_file_and_the_problem(checkpoint, tmp_path, label, edit, message):
-    broken = sharded_copy(checkpoint, tmp_path / "index")
+def test_broken_index_names_the_file_and_the_problem(tiny_qwen3, tmp_path, label, edit, message):
+    broken = sharded_copy(tiny_qwen3, tmp_path / "index")
     edit_index(broken, edit)
     with pytest.raises(WeightLoadError, match=message):
         load_model(broken, dtype="float32", device="cpu", progress=False)
@@ -285,7 +279,7 @@ def test_broken_index_names_the_file_and_the_problem(checkpoint, tmp_path, label
 
 # No machine holds data on "meta" or has a hundred GPUs.
 @pytest.mark.parametrize("device", ["meta", torch.device("meta"), "cuda:99"])
-def test_device_that_cannot_hold_the_weights_is_rejected_before_loading(checkpoint, device, monkeypatch):
+def test_device_that_cannot_hold_the_weights_is_rejected_before_loading(tiny_qwen3, device, monkeypatch):
     from a4 import LLM
 
     def no_read(*args, **kwargs):
@@ -293,6 +287,6 @@ def test_device_that_cannot_hold_the_weights_is_rejected_before_loading(checkpoi
 
     monkeypatch.setattr(weights, "safe_open", no_read)
     with pytest.raises(ValueError, match=r"device '(meta|cuda:99)'"):
-        LLM(checkpoint, device=device)
+        LLM(tiny_qwen3, device=device)
     with pytest.raises(ValueError, match=r"device '(meta|cuda:99)'"):
-        load_model(checkpoint, dtype="float32", device=device, progress=False)
+        load_model(tiny_qwen3, dtype="float32", device=device, progress=False)

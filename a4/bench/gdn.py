@@ -18,21 +18,9 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 
 NUM_HEADS, HEAD_DIM = 16, 128
 METHODS = ("recurrence", "a4 chunked", "transformers chunked")
-
-
-def delta_rule_inputs(length: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
-    """q, k (l2-normalised, q not yet scaled), v [T, H, D]; g <= 0 and beta in (0, 1) [T, H]; float32."""
-    gen = torch.Generator().manual_seed(seed)
-    q = F.normalize(torch.randn(length, NUM_HEADS, HEAD_DIM, generator=gen), dim=-1)
-    k = F.normalize(torch.randn(length, NUM_HEADS, HEAD_DIM, generator=gen), dim=-1)
-    v = torch.randn(length, NUM_HEADS, HEAD_DIM, generator=gen)
-    g = -F.softplus(torch.randn(length, NUM_HEADS, generator=gen))
-    beta = torch.rand(length, NUM_HEADS, generator=gen)
-    return q, k, v, g, beta
 
 
 def runners(length: int) -> dict[str, Callable[[], tuple]]:
@@ -40,18 +28,20 @@ def runners(length: int) -> dict[str, Callable[[], tuple]]:
     # Imported here: the a4 module is an exercise (notebook 04), and transformers is only the reference.
     from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
 
+    from a4.course.checks.deltanet import delta_rule_inputs
     from a4.layers.deltanet import chunk_gated_delta_rule, recurrent_gated_delta_rule
 
-    q, k, v, g, beta = delta_rule_inputs(length)
-    q_scaled = q * HEAD_DIM**-0.5  # a4's functions take q scaled; transformers' scales it itself
+    # The inputs of notebook 04's checks, at the model's shapes: q already scaled by dk^-0.5.
+    q, k, v, g, beta = delta_rule_inputs((length,), NUM_HEADS, dk=HEAD_DIM, dv=HEAD_DIM)
+    q_unscaled = q * HEAD_DIM**0.5  # transformers' function scales q itself
     state = torch.zeros(1, NUM_HEADS, HEAD_DIM, HEAD_DIM)
     cu_seqlens = torch.tensor([0, length])
-    batched = [x[None] for x in (q_scaled, k, v, g, beta)]  # [1, T, ...]: one sequence
+    batched = [x[None] for x in (q, k, v, g, beta)]  # [1, T, ...]: one sequence
     return {
         "recurrence": lambda: recurrent_gated_delta_rule(*batched, state),
-        "a4 chunked": lambda: chunk_gated_delta_rule(q_scaled, k, v, g, beta, cu_seqlens, state),
+        "a4 chunked": lambda: chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens, state),
         "transformers chunked": lambda: torch_chunk_gated_delta_rule(
-            q[None], k[None], v[None], g[None], beta[None], initial_state=state, output_final_state=True
+            q_unscaled[None], k[None], v[None], g[None], beta[None], initial_state=state, output_final_state=True
         ),
     }
 

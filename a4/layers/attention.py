@@ -18,10 +18,22 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from a4.core import ForwardBatch
 
+
+def _cpu_flash_attention_runs() -> bool:
+    """False where torch's CPU flash kernel fails: on a CPU with AMX whose kernels ATEN_CPU_CAPABILITY limited to a
+    lesser vector ISA (as when emulating another CPU, e.g. ATEN_CPU_CAPABILITY=avx2). In bfloat16 the kernel then
+    still packs its blocks for AMX, which the lesser kernels cannot do: "pack_vnni2 is only supported when avx512 is
+    supported". A real CPU without AVX-512 has no AMX, and the kernel does not pack there."""
+    return not (torch.cpu._is_amx_tile_supported() and torch.backends.cpu.get_cpu_capability() != "AVX512")
+
+
 # Every SDPA backend but cuDNN's: cuDNN builds a new execution plan for each new key length, milliseconds of CPU
 # time per call, and every decode step has a new length (an H200, Qwen3-0.6B, batch 8: 78 ms per decode step with
-# cuDNN, 45 ms without). On CPU this changes nothing.
+# cuDNN, 45 ms without). On CPU this changes nothing, but where the flash kernel fails (see above) the math kernel
+# serves instead.
 SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+if not _cpu_flash_attention_runs():
+    SDPA_BACKENDS.remove(SDPBackend.FLASH_ATTENTION)
 
 
 def paged_attention(

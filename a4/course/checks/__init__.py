@@ -5,6 +5,9 @@ modules, never with a4's reference solutions (under A4_SOLUTIONS=1 the reference
 not the ground truth). A failing check raises `CheckFailed` (an AssertionError) whose first line names the first
 problem in words a student can act on, and whose following lines list every problem. A NotImplementedError from an
 unwritten exercise is left to propagate: its message already names the exercise to write.
+
+The unit tests drive these same checks. Shared by both: `_harness` (how close is close enough: one tolerance rule
+and one comparison for every check and test; random inputs) and `_model_runner` (layers and models stepped by hand).
 """
 
 from __future__ import annotations

@@ -3,11 +3,15 @@
 `SlotTable` builds the ForwardBatch of each step: request slots in a `req_to_token` table whose KV locations are
 handed out in random order. `ModelRunner` drives a whole a4 model with it: a KV pool for the full-attention layers
 (`kv_pool_for`) and, for a hybrid model, zero-initialised Gated DeltaNet states (`ZeroStates`; the real StatePool is
-notebook 05's). Shared by the checks of notebooks 03 and 04 and by the model tests. Nothing here imports an exercise
-module: the all-attention model must run on the untouched skeleton.
+notebook 05's); `a4_model` loads a checkpoint's model once per process. Shared by the checks of notebooks 03 and 04
+and by the model tests. Nothing here imports an exercise module: the all-attention model must run on the untouched
+skeleton.
 """
 
 from __future__ import annotations
+
+import functools
+from pathlib import Path
 
 import torch
 
@@ -15,6 +19,7 @@ from a4.core import ForwardBatch
 from a4.course.checks import CheckFailed
 from a4.kvcache.kv_pool import KVPool
 from a4.models.config import ModelConfig
+from a4.models.registry import load_model
 
 PAGE_SIZE = 4
 
@@ -102,6 +107,12 @@ class ZeroStates:
 
     def recurrent_state(self, gdn_layer: int) -> torch.Tensor:
         return self.recurrent[gdn_layer]
+
+
+@functools.cache
+def a4_model(checkpoint: str | Path, dtype: torch.dtype) -> torch.nn.Module:
+    """a4's model of the checkpoint on the CPU, loaded once per process (callers must not modify it)."""
+    return load_model(checkpoint, dtype=dtype, device="cpu", progress=False)[1]
 
 
 class ModelRunner:

@@ -9,8 +9,9 @@ Ground truths:
 - for the whole model, transformers' `Qwen3_5ForConditionalGeneration` on the tiny checkpoint (its greedy `generate`
   and its logits).
 
-The layer checks use shapes that neither the notebook nor the tiny checkpoint has (value heads 3x key heads, dk !=
-dv, conv kernels 2 and 3), so nothing in the code under test may assume a particular shape.
+The layer checks use shapes that neither the notebook nor the tiny checkpoint has (value heads 3x key heads or as
+many, dk != dv, conv kernels 2, 3 and 4), so nothing in the code under test may assume a particular shape. How close
+is close enough comes from `a4.course.checks._harness.tolerance`.
 """
 
 from __future__ import annotations
@@ -23,23 +24,29 @@ import torch.nn.functional as F
 
 from a4.checkpoints import tiny_checkpoint
 from a4.course.checks import conclude
-from a4.course.checks._model_runner import ModelRunner, SlotTable, state_tensors
-from a4.course.checks.gated_attention import (
+from a4.course.checks._harness import (
     DTYPES,
-    a4_config,
+    GDN_ROUNDINGS,
     compare,
     compare_dtype,
     dtype_name,
+    gdn_reduction_length,
+    model_reduction_length,
     randn,
     shape_problems,
+    tolerance,
 )
+from a4.course.checks._model_runner import ModelRunner, SlotTable, state_tensors
+from a4.course.checks.gated_attention import a4_config
 from a4.models.config import LINEAR_ATTENTION
 
 # (key heads, value heads, dk, dv, conv kernel) of the layer checks.
 SHAPES = {
     "3 value heads per key head, dk 16, dv 8, kernel 2": (2, 6, 16, 8, 2),
     "1 key head for 3 value heads, dk 8, dv 24, kernel 3": (1, 3, 8, 24, 3),
+    "as many value heads as key heads, dk 16, dv 16, kernel 4": (2, 2, 16, 16, 4),
 }
+CONV_KERNELS = (2, 3, 4)
 # Delta-rule shapes of the function checks: heads (already repeated to the value heads), dk, dv.
 HEADS, DK, DV = 6, 16, 8
 CHUNK_SIZES = (16, 32, 64)
@@ -59,7 +66,7 @@ def check_conv_prefill(conv_prefill: Callable) -> None:
 
     problems = []
     channels = 10
-    for kernel in (2, 3):
+    for kernel in CONV_KERNELS:
         for name, dtype in DTYPES.items():
             label = f"kernel {kernel}, {name}"
             weight = randn(channels, 1, kernel, seed=kernel, dtype=dtype)
@@ -80,7 +87,10 @@ def check_conv_prefill(conv_prefill: Callable) -> None:
                 expected = causal_conv1d_fn(inputs, weight.squeeze(1), activation="silu")[0, :, kernel - 1 :].T
                 y_i = y[start : start + len(x_i)]
                 start += len(x_i)
-                problems += compare_dtype(f"{label}, sequence {i} ({len(x_i)} tokens)", y_i, expected, elementwise=True)
+                where = f"{label}, sequence {i} ({len(x_i)} tokens)"
+                # A sum of `kernel` products per value, one rounding.
+                problems += compare_dtype(where, y_i, expected, tolerance(dtype, kernel), elementwise=True)
+                # The new state is a copy of inputs: equal, bit for bit.
                 if not torch.equal(new_states[i], inputs[0, :, -(kernel - 1) :]):
                     problems.append(
                         f"{label}, sequence {i} ({len(x_i)} tokens): its new conv state must be the last {kernel - 1} "
@@ -96,7 +106,7 @@ def check_conv_decode(conv_decode: Callable) -> None:
 
     problems = []
     channels, batch = 10, 3
-    for kernel in (2, 3):
+    for kernel in CONV_KERNELS:
         for name, dtype in DTYPES.items():
             label = f"kernel {kernel}, {name}"
             weight = randn(channels, 1, kernel, seed=kernel, dtype=dtype)
@@ -104,8 +114,9 @@ def check_conv_decode(conv_decode: Callable) -> None:
             hf_state = randn(batch, channels, kernel, seed=2, dtype=dtype)
             y, new_state = conv_decode(x, weight, hf_state[:, :, 1:].clone())
             expected = causal_conv1d_update(x[:, :, None], hf_state, weight.squeeze(1), activation="silu")[:, :, 0]
-            problems += compare_dtype(f"{label}, output", y, expected, elementwise=True)
-            expected_state = hf_state[:, :, 1:]  # transformers updated its state in place
+            problems += compare_dtype(f"{label}, output", y, expected, tolerance(dtype, kernel), elementwise=True)
+            # transformers updated its state in place; both states are copies of inputs: equal, bit for bit.
+            expected_state = hf_state[:, :, 1:]
             if new_state.shape != expected_state.shape or not torch.equal(new_state, expected_state):
                 problems.append(f"{label}: the new conv state must be the last {kernel - 1} inputs (old state + x)")
     conclude(problems, "the decode conv matches transformers' causal_conv1d_update, and the new states are right")
@@ -114,7 +125,9 @@ def check_conv_decode(conv_decode: Callable) -> None:
 # ------------------------------------------------------------------------------------------- the gated delta rule
 
 
-def delta_rule_inputs(shape: tuple[int, ...], heads: int = HEADS, seed: int = 0) -> tuple[torch.Tensor, ...]:
+def delta_rule_inputs(
+    shape: tuple[int, ...], heads: int = HEADS, seed: int = 0, dk: int = DK, dv: int = DV
+) -> tuple[torch.Tensor, ...]:
     """float32 q (l2-normalised, scaled by dk^-0.5), k (l2-normalised), v, g <= 0 and beta in (0, 1), as the layer
     makes them; the leading dims are `shape` (e.g. [B, T] or [T]) then the heads.
 
@@ -122,9 +135,9 @@ def delta_rule_inputs(shape: tuple[int, ...], heads: int = HEADS, seed: int = 0)
     quickly (g around -1), and in those every 7th token forgets almost everything (g = -60): a chunk's cumulative
     decay then underflows to 0, which must not turn into inf or NaN.
     """
-    q = F.normalize(randn(*shape, heads, DK, seed=seed), dim=-1) * DK**-0.5
-    k = F.normalize(randn(*shape, heads, DK, seed=seed + 1), dim=-1)
-    v = randn(*shape, heads, DV, seed=seed + 2)
+    q = F.normalize(randn(*shape, heads, dk, seed=seed), dim=-1) * dk**-0.5
+    k = F.normalize(randn(*shape, heads, dk, seed=seed + 1), dim=-1)
+    v = randn(*shape, heads, dv, seed=seed + 2)
     slow = torch.arange(heads) < heads // 2
     g = -F.softplus(2 * randn(*shape, heads, seed=seed + 3) - 4 * slow)
     g[..., 3::7, heads // 2 :] = -60.0
@@ -137,8 +150,14 @@ def transformers_recurrence(q, k, v, g, beta, initial_state):
     from transformers.models.qwen3_5.modeling_qwen3_5 import torch_recurrent_gated_delta_rule
 
     return torch_recurrent_gated_delta_rule(
-        q * DK**0.5, k, v, g, beta, initial_state=initial_state.clone(), output_final_state=True
+        q * q.shape[-1] ** 0.5, k, v, g, beta, initial_state=initial_state.clone(), output_final_state=True
     )
+
+
+def delta_rule_tolerance(length: int, dk: int = DK) -> float:
+    """The delta rule over `length` tokens, in float32 (see `_harness.tolerance`): every token adds into the state
+    through a dk-long product (S^T k), and each output reads the state through one more."""
+    return tolerance(torch.float32, (length + 1) * dk)
 
 
 def check_recurrence(recurrence: Callable) -> None:
@@ -149,23 +168,25 @@ def check_recurrence(recurrence: Callable) -> None:
     original = state.clone()
     expected_o, expected_final = transformers_recurrence(q, k, v, g, beta, state)
     o, final = recurrence(q, k, v, g, beta, state)
-    problems = compare("outputs o", o, expected_o, 1e-5) + compare("final state", final, expected_final, 1e-5)
-    if not torch.equal(state, original):
+    allowed = delta_rule_tolerance(length)
+    problems = compare("outputs o", o, expected_o, allowed) + compare("final state", final, expected_final, allowed)
+    if not torch.equal(state, original):  # untouched: equal, bit for bit
         problems.append("initial_state was modified (work on a copy)")
     conclude(problems, "the recurrence matches transformers' torch_recurrent_gated_delta_rule")
 
 
-def naive_chunk(q, k, v, g, beta, state):
-    """One chunk token by token in float64, from `state` [H, dk, dv]: each token's delta [H, C, dv] and the final
-    state. q, k, v: [H, C, d]; g, beta: [H, C]."""
+def naive_delta_rule(q, k, v, g, beta, state):
+    """The recurrence as the papers write it, token by token in float64, from `state` [H, dk, dv]: each token's
+    output [H, T, dv], its delta [H, T, dv] and the final state. q, k, v: [H, T, d]; g, beta: [H, T]."""
     q, k, v, g, beta, state = (x.double() for x in (q, k, v, g, beta, state))
     state = state.clone()
-    deltas = torch.empty_like(v)
+    outputs, deltas = torch.empty_like(v), torch.empty_like(v)
     for t in range(q.shape[1]):
         state *= g[:, t].exp()[:, None, None]
         deltas[:, t] = beta[:, t, None] * (v[:, t] - torch.einsum("hkv,hk->hv", state, k[:, t]))
         state += torch.einsum("hk,hv->hkv", k[:, t], deltas[:, t])
-    return deltas, state
+        outputs[:, t] = torch.einsum("hkv,hk->hv", state, q[:, t])
+    return outputs, deltas, state
 
 
 def chunk_inputs(num_chunks: int, chunk: int, padding: int, seed: int) -> tuple[torch.Tensor, ...]:
@@ -199,13 +220,15 @@ def check_intra_chunk(intra_chunk: Callable) -> None:
             problems += wrong
             continue
         s0 = randn(3, HEADS, DK, DV, seed=5)
+        # Within a chunk, each token's delta depends on every earlier token's (a triangular solve over the chunk).
+        allowed = delta_rule_tolerance(chunk)
         for i in range(3):
             where = f"{label}, chunk {i}"
-            zero_deltas, _ = naive_chunk(q[i], k[i], v[i], g[i], beta[i], torch.zeros(HEADS, DK, DV))
-            deltas, _ = naive_chunk(q[i], k[i], v[i], g[i], beta[i], s0[i])
-            problems += compare(f"{where}: u (the deltas from a zero state)", terms.u[i], zero_deltas, 1e-5)
+            _, zero_deltas, _ = naive_delta_rule(q[i], k[i], v[i], g[i], beta[i], torch.zeros(HEADS, DK, DV))
+            _, deltas, _ = naive_delta_rule(q[i], k[i], v[i], g[i], beta[i], s0[i])
+            problems += compare(f"{where}: u (the deltas from a zero state)", terms.u[i], zero_deltas, allowed)
             from_s0 = terms.u[i] - terms.w[i] @ s0[i]
-            problems += compare(f"{where}: u - w @ S0 (the deltas from state S0)", from_s0, deltas, 1e-5)
+            problems += compare(f"{where}: u - w @ S0 (the deltas from state S0)", from_s0, deltas, allowed)
         # The decay factors from their definitions, in float64: G_i = g_0 + ... + g_i.
         G = g.double().cumsum(-1)
         causal = torch.ones(chunk, chunk, dtype=torch.bool).tril()
@@ -217,7 +240,7 @@ def check_intra_chunk(intra_chunk: Callable) -> None:
             "chunk_decay": G[..., -1].exp(),
         }
         for name, value in expected.items():
-            problems += compare(f"{label}: {name}", getattr(terms, name), value, 1e-5)
+            problems += compare(f"{label}: {name}", getattr(terms, name), value, allowed)
     conclude(problems, "the within-chunk terms (u, w, attn, decays) are what the chunked form needs")
 
 
@@ -233,8 +256,8 @@ def check_chunked(chunked: Callable) -> None:
             for chunk in CHUNK_SIZES:
                 label = f"length {length}, chunk size {chunk}, {initial} initial state"
                 o, final = chunked(q, k, v, g, beta, torch.tensor([0, length]), state.clone(), chunk_size=chunk)
-                problems += compare(f"{label}: outputs", o, expected_o[0], 1e-5)
-                problems += compare(f"{label}: final state", final, expected_final, 1e-5)
+                problems += compare(f"{label}: outputs", o, expected_o[0], delta_rule_tolerance(length))
+                problems += compare(f"{label}: final state", final, expected_final, delta_rule_tolerance(length))
     problems += _varlen_problems(chunked)
     conclude(problems, f"the chunked form equals the recurrence for {len(CHUNKED_LENGTHS)} lengths, 3 chunk sizes and "
              "a varlen batch")  # fmt: skip
@@ -256,9 +279,10 @@ def _varlen_problems(chunked: Callable) -> list[str]:
         o, final = chunked(q, k, v, g, beta, cu_seqlens, states, chunk_size=chunk)
         for i, ((start, end), (expected_o, expected_final)) in enumerate(zip(bounds, expected)):
             label = f"varlen batch {VARLEN_SEQ_LENS}, chunk size {chunk}, sequence {i}"
-            problems += compare(f"{label}: outputs", o[start:end], expected_o[0], 1e-5)
-            problems += compare(f"{label}: final state", final[i : i + 1], expected_final, 1e-5)
-        if not torch.equal(states, original):
+            allowed = delta_rule_tolerance(end - start)
+            problems += compare(f"{label}: outputs", o[start:end], expected_o[0], allowed)
+            problems += compare(f"{label}: final state", final[i : i + 1], expected_final, allowed)
+        if not torch.equal(states, original):  # untouched: equal, bit for bit
             problems.append("initial_state was modified (work on a copy)")
             break
     return problems
@@ -283,8 +307,10 @@ def check_gated_norm(norm_class: type) -> None:
             ours.to(dtype)
             x = 3 * randn(5, 3, dv, seed=1, dtype=dtype)
             z = randn(5, 3, dv, seed=2, dtype=dtype)
+            # A sum over dv; rounded after the norm and after the gate.
+            allowed = tolerance(dtype, dv, roundings=2)
             with torch.no_grad():
-                problems += compare_dtype(f"dv {dv}, {name}", ours(x, z), reference(x, z), elementwise=True)
+                problems += compare_dtype(f"dv {dv}, {name}", ours(x, z), reference(x, z), allowed, elementwise=True)
     conclude(problems, "the gated RMSNorm matches transformers' Qwen3_5RMSNormGated in float32 and bfloat16")
 
 
@@ -313,6 +339,7 @@ class LayerPair:
 
         self.text_config = gdn_text_config(shape)
         config = a4_config(self.text_config)
+        self.config = config
         torch.manual_seed(0)
         self.reference = Qwen3_5GatedDeltaNet(self.text_config, layer_idx=0)
         with torch.no_grad():  # weights transformers initialises to constants: randomise them too
@@ -343,15 +370,28 @@ class LayerPair:
                 expected.append(self.reference(hidden[None], cache=self.caches[slot])[0])
         return ours, torch.cat(expected)
 
+    def output_tolerance(self) -> float:
+        """For the layer's outputs and states: the sums over the longest context so far."""
+        context = max(self.table.lens)
+        return tolerance(self.dtype, gdn_reduction_length(self.config, context), roundings=GDN_ROUNDINGS)
+
+    def step_problems(self, what: str, new_tokens: dict[int, int], seed: int) -> list[str]:
+        """One `step`: a4's outputs against transformers'."""
+        return compare_dtype(what, *self.step(new_tokens, seed), self.output_tolerance())
+
     def state_problems(self, label: str) -> list[str]:
         """a4's state rows of every request against transformers' cache of that request."""
         problems = []
         for slot, cache in self.caches.items():
             layer = cache.layers[0]
-            # transformers keeps the last K conv inputs, a4 the last K-1: compare the overlap.
+            # transformers keeps the last K conv inputs, a4 the last K-1: compare the overlap. The conv state holds
+            # in_proj's outputs; the recurrent state (float32) sums bfloat16-rounded inputs over the context.
             conv, recurrent = layer.conv_states[0][0, :, 1:], layer.recurrent_states[0][0]
-            problems += compare_dtype(f"{label}, slot {slot}, conv state", self.conv_state[slot], conv)
-            problems += compare_dtype(f"{label}, slot {slot}, recurrent state", self.recurrent_state[slot], recurrent)
+            conv_tolerance = tolerance(self.dtype, self.config.hidden_size)
+            problems += compare_dtype(f"{label}, slot {slot}, conv state", self.conv_state[slot], conv, conv_tolerance)
+            problems += compare_dtype(
+                f"{label}, slot {slot}, recurrent state", self.recurrent_state[slot], recurrent, self.output_tolerance()
+            )
         return problems
 
 
@@ -371,14 +411,14 @@ def run_layer_scenario(layer_class: type, shape_name: str, dtype: torch.dtype) -
     label = f"{shape_name}, {dtype_name(dtype)}"
     problems = {"prefill": [], "decode": [], "states": []}
     lengths = ", ".join(map(str, FIRST_PREFILL.values()))
-    first = pair.step(FIRST_PREFILL, seed=1)
-    problems["prefill"] += compare_dtype(f"{label}, prefill of requests of {lengths} tokens", *first)
+    first_label = f"{label}, prefill of requests of {lengths} tokens"
+    problems["prefill"] += pair.step_problems(first_label, FIRST_PREFILL, seed=1)
     problems["states"] += pair.state_problems(f"{label}, after the prefill")
-    second = pair.step(SECOND_CHUNK, seed=2)
-    problems["prefill"] += compare_dtype(f"{label}, second prefill chunk of {SECOND_CHUNK[1]} tokens", *second)
+    second_label = f"{label}, second prefill chunk of {SECOND_CHUNK[1]} tokens"
+    problems["prefill"] += pair.step_problems(second_label, SECOND_CHUNK, seed=2)
     for i in range(DECODE_STEPS):
-        outputs = pair.step({slot: 1 for slot in FIRST_PREFILL}, seed=10 * i)
-        problems["decode"] += compare_dtype(f"{label}, decode step {i + 1} of 3 requests", *outputs)
+        decode = {slot: 1 for slot in FIRST_PREFILL}
+        problems["decode"] += pair.step_problems(f"{label}, decode step {i + 1} of 3 requests", decode, seed=10 * i)
     problems["states"] += pair.state_problems(f"{label}, after {DECODE_STEPS} decode steps")
     return problems
 
@@ -436,10 +476,10 @@ def check_model_logits() -> None:
         decode.append(runner.forward({slot: tokens[-1:]})[slot][0])
         tokens.append(int(decode[-1].argmax()))
     # Logits differ by float32 roundings accumulated over every layer, and GDN's chunked vs step forms.
-    tolerance = 1e-4
-    problems = compare(f"prefill logits ({len(MODEL_PROMPT)} positions)", prefill, expected_prefill, tolerance)
+    allowed = tolerance(torch.float32, model_reduction_length(model.config, len(MODEL_PROMPT) + len(decode)))
+    problems = compare(f"prefill logits ({len(MODEL_PROMPT)} positions)", prefill, expected_prefill, allowed)
     if decode:
-        problems += compare(f"logits of {len(decode)} decode steps", torch.stack(decode), expected_decode, tolerance)
+        problems += compare(f"logits of {len(decode)} decode steps", torch.stack(decode), expected_decode, allowed)
     if tokens != expected_tokens:
         problems.append(f"greedy tokens {tokens}, transformers' generate: {expected_tokens}")
     conclude(problems, f"prefill and {len(decode)} decode steps: logits and greedy tokens match transformers")

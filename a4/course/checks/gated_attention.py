@@ -10,8 +10,8 @@ Two ground truths, both transformers:
 
 a4's side is built without the earlier notebooks' exercises: its ModelConfig comes from transformers' config object
 (`a4_config`) and its weights are copied from transformers' modules, so these checks fail only when notebook 03's
-own code does. The hand-made ForwardBatches come from `a4.course.checks._model_runner`; the helpers that compare
-tensors (`compare`) are shared with notebook 04's checks.
+own code does. The hand-made ForwardBatches come from `a4.course.checks._model_runner`; how close is close enough
+from `a4.course.checks._harness`.
 """
 
 from __future__ import annotations
@@ -26,73 +26,21 @@ import torch
 import a4.reference  # noqa: F401
 from a4.checkpoints import tiny_checkpoint
 from a4.course.checks import conclude
+from a4.course.checks._harness import (
+    ATTENTION_ROUNDINGS,
+    DTYPES,
+    attention_reduction_length,
+    compare,
+    compare_dtype,
+    dtype_name,
+    randn,
+    tolerance,
+)
 from a4.course.checks._model_runner import PAGE_SIZE, SlotTable, kv_pool_for
 from a4.course.checks.config import transformers_fields
 from a4.kvcache.kv_pool import KVPool
 from a4.layers.rope import RotaryEmbedding
 from a4.models.config import FULL_ATTENTION, LINEAR_ATTENTION, ModelConfig
-
-
-# Largest error allowed, relative to the largest magnitude of the reference. float32: a4 and transformers differ only
-# in the order of float32 roundings. bfloat16: a couple of ulps (one ulp is 0.4%).
-RELATIVE_TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
-# a4.reference's transformers models run "eager" attention, which rounds the softmax weights to bfloat16 before they
-# multiply V; a4's SDPA keeps them in float32. Against those captures a bfloat16 layer output is a few ulps off.
-EAGER_BF16_TOLERANCE = 5e-2
-# bfloat16 results of the same formula computed in a slightly different order differ in about one value in 10^4;
-# rounding to bfloat16 at a different step (before a multiplication transformers does in float32) changes many more.
-MAX_BF16_ROUNDING_SHARE = 0.01
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-# ----------------------------------------------------------------------------------------------------- comparisons
-
-
-def shape_problems(what: str, tensor: torch.Tensor, shape: tuple[int, ...]) -> list[str]:
-    if tuple(tensor.shape) == tuple(shape):
-        return []
-    return [f"{what}: shape {tuple(tensor.shape)}, expected {tuple(shape)}"]
-
-
-def compare(what: str, ours: torch.Tensor, expected: torch.Tensor, tolerance: float) -> list[str]:
-    """[] when `ours` has the reference's shape and is within `tolerance` x its largest magnitude, else one problem."""
-    if wrong_shape := shape_problems(what, ours, expected.shape):
-        return wrong_shape
-    scale = expected.double().abs().max().item()
-    error = (ours.double() - expected.double()).abs().max().item()
-    if not error <= tolerance * scale:  # also catches NaN
-        return [f"{what}: max error {error:.3g} against values up to {scale:.3g} (allowed: {tolerance:g} of that)"]
-    return []
-
-
-def compare_dtype(
-    what: str, ours: torch.Tensor, expected: torch.Tensor, tolerance: float | None = None, elementwise: bool = False
-) -> list[str]:
-    """compare() in the reference's dtype, at its RELATIVE_TOLERANCE unless `tolerance` is given.
-
-    elementwise: the result of a formula applied value by value (a norm, a rotation), where in bfloat16 the share of
-    values rounded differently from transformers' also shows whether the casts happen at the same steps.
-    """
-    tolerance = RELATIVE_TOLERANCE[expected.dtype] if tolerance is None else tolerance
-    problems = compare(what, ours, expected, tolerance)
-    if ours.dtype != expected.dtype:
-        problems.append(f"{what}: dtype {ours.dtype}, expected {expected.dtype} (the input's)")
-    elif elementwise and not problems and expected.dtype == torch.bfloat16:
-        share = (ours != expected).float().mean().item()
-        if share > MAX_BF16_ROUNDING_SHARE:
-            problems.append(
-                f"{what}: {share:.1%} of the bfloat16 values differ from transformers' (a different order of casts "
-                f"rounds differently; allowed: {MAX_BF16_ROUNDING_SHARE:.0%})"
-            )
-    return problems
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return next(name for name, d in DTYPES.items() if d == dtype)
-
-
-def randn(*shape: int, seed: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
 
 
 # ------------------------------------------------------------------------------------------------ configs, batches
@@ -106,10 +54,10 @@ def a4_config(text_config: Any) -> ModelConfig:
     return ModelConfig(**transformers_fields(raw.to_dict()))
 
 
-def attention_text_config(layer_types: list[str] | None = None):
+def attention_text_config(layer_types: list[str] | None = None, partial_rotary_factor: float = 0.5):
     """transformers' text config of the checks' own shape: 6 query heads over 2 KV heads (3 per group), head_dim 48 of
-    which 24 rotate, hidden 40; one full-attention layer unless `layer_types` says otherwise. Attention "sdpa": the
-    kernel a4's paged attention calls, so that bfloat16 rounds alike."""
+    which 24 rotate (`partial_rotary_factor`), hidden 40; one full-attention layer unless `layer_types` says
+    otherwise. Attention "sdpa": the kernel a4's paged attention calls, so that bfloat16 rounds alike."""
     from transformers import Qwen3_5TextConfig
 
     layer_types = layer_types or [FULL_ATTENTION]
@@ -122,8 +70,10 @@ def attention_text_config(layer_types: list[str] | None = None):
         num_key_value_heads=2,
         head_dim=48,
         layer_types=layer_types,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
-    )
+        rope_parameters={
+            "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": partial_rotary_factor
+        },
+    )  # fmt: skip
     config._attn_implementation = "sdpa"
     return config
 
@@ -150,7 +100,8 @@ def check_zero_centred_norm(norm_class: type) -> None:
             x = 4 * randn(9, 3, dim, seed=dim + 1, dtype=dtype)
             with torch.no_grad():
                 label = f"dim {dim}, eps {eps:g}, {dtype_name}"
-                problems += compare_dtype(label, ours(x), reference(x), elementwise=True)
+                # One sum over the dim; one rounding of the result.
+                problems += compare_dtype(label, ours(x), reference(x), tolerance(dtype, dim), elementwise=True)
     conclude(problems, "the zero-centred RMSNorm matches transformers' Qwen3_5RMSNorm in float32 and bfloat16")
 
 
@@ -186,7 +137,10 @@ def check_partial_rope(apply_partial_rope) -> None:
             )
             for name, x, expected in (("q", q, expected_q), ("k", k, expected_k)):
                 ours = apply_partial_rope(x, cos, sin)
-                problems += compare_dtype(f"{label}, {name}", ours, expected[0].transpose(0, 1), elementwise=True)
+                expected_x = expected[0].transpose(0, 1)
+                # x * cos + rotate_half(x) * sin: a sum of two terms, one rounding.
+                problems += compare_dtype(f"{label}, {name}", ours, expected_x, tolerance(dtype, 2), elementwise=True)
+                # The dims past rotary_dim pass through, untouched: equal, bit for bit.
                 if ours.shape == x.shape and not torch.equal(ours[..., rotary_dim:], x[..., rotary_dim:]):
                     problems.append(f"{label}, {name}: dims {rotary_dim}..47 changed; they must pass through as is")
     conclude(problems, "partial RoPE matches transformers for 3 rotary fractions in float32 and bfloat16")
@@ -200,12 +154,14 @@ class AttentionPair:
     weights, whose requests keep their KV in a paged KVPool at pool layer 1 (the layer must write where it is told)."""
 
     POOL_LAYER = 1
+    MAX_CONTEXT = 256
 
-    def __init__(self, attention_class: type, dtype: torch.dtype) -> None:
+    def __init__(self, attention_class: type, dtype: torch.dtype, partial_rotary_factor: float = 0.5) -> None:
         from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5Attention
 
-        self.text_config = attention_text_config()
+        self.text_config = attention_text_config(partial_rotary_factor=partial_rotary_factor)
         config = a4_config(self.text_config)
+        self.config = config
         torch.manual_seed(0)
         self.reference = Qwen3_5Attention(self.text_config, layer_idx=0)
         with torch.no_grad():  # the norms start at zero: randomise them so that they matter
@@ -217,8 +173,8 @@ class AttentionPair:
         self.ours.to(dtype)
         self.dtype = dtype
         self.hidden_size = config.hidden_size
-        self.rope = RotaryEmbedding(config.rotary_dim, config.rope_theta, 256)
-        num_pages = 4 * 256 // PAGE_SIZE
+        self.rope = RotaryEmbedding(config.rotary_dim, config.rope_theta, self.MAX_CONTEXT)
+        num_pages = 4 * self.MAX_CONTEXT // PAGE_SIZE
         self.pool = KVPool(2, num_pages, PAGE_SIZE, config.num_key_value_heads, config.head_dim, dtype, "cpu")
         self.table = SlotTable(self.pool.num_locations)
         self.caches: dict[int, Any] = {}
@@ -239,6 +195,16 @@ class AttentionPair:
                 expected.append(self._reference(hidden, prefix_len, self.caches[slot]))
         return ours, torch.cat(expected)
 
+    def step_problems(self, what: str, new_tokens: dict[int, int], seed: int) -> list[str]:
+        """One `step`: a4's outputs against transformers'."""
+        return compare_dtype(what, *self.step(new_tokens, seed), self.output_tolerance())
+
+    def output_tolerance(self) -> float:
+        """For the layer's outputs: the sums over the longest context so far."""
+        return tolerance(
+            self.dtype, attention_reduction_length(self.config, max(self.table.lens)), roundings=ATTENTION_ROUNDINGS
+        )
+
     def _reference(self, hidden: torch.Tensor, prefix_len: int, cache: Any) -> torch.Tensor:
         n = hidden.shape[0]
         positions = torch.arange(prefix_len, prefix_len + n)
@@ -254,9 +220,28 @@ class AttentionPair:
         for slot, cache in self.caches.items():
             locations = self.table.locations(slot)
             keys, values = (x[0].transpose(0, 1) for x in (cache.layers[0].keys, cache.layers[0].values))
-            problems += compare_dtype(f"{label}, slot {slot}, keys", k_buf[locations], keys)
-            problems += compare_dtype(f"{label}, slot {slot}, values", v_buf[locations], values)
+            ours = (k_buf[locations], v_buf[locations])
+            problems += kv_problems(f"{label}, slot {slot}", self.config, *ours, keys, values)
         return problems
+
+
+def key_tolerance(config: ModelConfig, dtype: torch.dtype) -> float:
+    """Keys went through k_proj (a sum over hidden), k_norm (over head_dim) and RoPE (two terms), each rounded."""
+    return tolerance(dtype, config.hidden_size + config.head_dim + 2, roundings=3)
+
+
+def kv_problems(
+    label: str,
+    config: ModelConfig,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    want_keys: torch.Tensor,
+    want_values: torch.Tensor,
+) -> list[str]:
+    """Keys and values from a KV pool against transformers' cache (values: v_proj alone)."""
+    problems = compare_dtype(f"{label}, keys", keys, want_keys, key_tolerance(config, want_keys.dtype))
+    value_tolerance = tolerance(want_values.dtype, config.hidden_size)
+    return problems + compare_dtype(f"{label}, values", values, want_values, value_tolerance)
 
 
 # The batched scenario: three requests in slots 3, 0 and 1, prefilled together (one of them a single token), the
@@ -266,16 +251,19 @@ SECOND_CHUNK = {1: 13}
 DECODE_STEPS = 3
 
 
-def run_batched_pair(attention_class: type, dtype: torch.dtype) -> dict[str, list[str]]:
+def run_batched_pair(
+    attention_class: type, dtype: torch.dtype, partial_rotary_factor: float = 0.5
+) -> dict[str, list[str]]:
     """The batched scenario on a random-weight layer: problems of each phase ("prefill", "decode", "kv")."""
-    pair = AttentionPair(attention_class, dtype)
-    label = f"random layer (6 heads over 2 KV heads, head_dim 48), {dtype_name(dtype)}"
+    pair = AttentionPair(attention_class, dtype, partial_rotary_factor)
+    rotary_dim = pair.config.rotary_dim
+    label = f"random layer (6 heads over 2 KV heads, head_dim 48, {rotary_dim} rotated), {dtype_name(dtype)}"
     problems = {"prefill": [], "decode": [], "kv": []}
-    problems["prefill"] += compare_dtype(f"{label}, prefill of 3 requests", *pair.step(FIRST_PREFILL, seed=1))
-    problems["prefill"] += compare_dtype(f"{label}, second prefill chunk", *pair.step(SECOND_CHUNK, seed=2))
+    problems["prefill"] += pair.step_problems(f"{label}, prefill of 3 requests", FIRST_PREFILL, seed=1)
+    problems["prefill"] += pair.step_problems(f"{label}, second prefill chunk", SECOND_CHUNK, seed=2)
     for i in range(DECODE_STEPS):
-        outputs = pair.step({slot: 1 for slot in FIRST_PREFILL}, seed=10 * i)
-        problems["decode"] += compare_dtype(f"{label}, decode step {i + 1} of 3 requests", *outputs)
+        decode = {slot: 1 for slot in FIRST_PREFILL}
+        problems["decode"] += pair.step_problems(f"{label}, decode step {i + 1} of 3 requests", decode, seed=10 * i)
     problems["kv"] += pair.kv_problems(label)
     return problems
 
@@ -291,6 +279,7 @@ class TinyRun:
     """Every full-attention layer of the tiny checkpoint run by a4 on transformers' inputs: a prefill of PROMPT and
     one decode step, all layers sharing one KV pool as in the engine."""
 
+    config: ModelConfig
     full_layers: tuple[int, ...]
     prefill: dict[int, tuple[torch.Tensor, torch.Tensor]]  # model layer -> (a4's output, transformers' output)
     decode: dict[int, tuple[torch.Tensor, torch.Tensor]]
@@ -326,7 +315,7 @@ def run_tiny_checkpoint(attention_class: type, dtype: torch.dtype) -> TinyRun:
     for layer in config.full_attention_layers:
         layers[layer] = attention_class(config, pool_layer=pool_layers[layer]).to(dtype)
         layers[layer].load_state_dict(hf.model.language_model.layers[layer].self_attn.state_dict())
-    run = TinyRun(config.full_attention_layers, {}, {}, {}, pool, table.locations(slot))
+    run = TinyRun(config, config.full_attention_layers, {}, {}, {}, pool, table.locations(slot))
     # Layer after layer within a step, as the model runs them: a layer that wrote into another's pool layer during
     # the prefill would find the wrong keys there in the decode step.
     with torch.no_grad():
@@ -344,10 +333,13 @@ def run_tiny_checkpoint(attention_class: type, dtype: torch.dtype) -> TinyRun:
 def _layer_output_problems(runs: list[TinyRun], phase: str) -> list[str]:
     problems = []
     for run in runs:
+        # transformers' captures come from "eager" attention, which rounds the softmax weights to the model dtype
+        # before they multiply V; a4's SDPA keeps them in float32: one rounding more.
+        reduction_length = attention_reduction_length(run.config, len(PROMPT) + 1)
         for layer, (ours, expected) in getattr(run, phase).items():
             label = f"tiny checkpoint, model layer {layer}, {dtype_name(expected.dtype)}, {phase}"
-            eager = EAGER_BF16_TOLERANCE if expected.dtype == torch.bfloat16 else None
-            problems += compare_dtype(label, ours, expected, eager)
+            allowed = tolerance(expected.dtype, reduction_length, roundings=ATTENTION_ROUNDINGS + 1)
+            problems += compare_dtype(label, ours, expected, allowed)
     return problems
 
 
@@ -381,8 +373,7 @@ def check_kv_pool_keys(attention_class: type) -> None:
             k_buf, v_buf = run.pool.get_kv(rank)
             keys, values = run.expected_kv[layer]
             label = f"tiny checkpoint, model layer {layer}, {dtype_name(dtype)}"
-            problems += compare_dtype(f"{label}, keys", k_buf[run.locations], keys)
-            problems += compare_dtype(f"{label}, values", v_buf[run.locations], values)
+            problems += kv_problems(label, run.config, k_buf[run.locations], v_buf[run.locations], keys, values)
         problems += run_batched_pair(attention_class, dtype)["kv"]
     conclude(problems, "the keys and values in the pool equal transformers' cache (after k_norm and RoPE)")
 
@@ -403,7 +394,9 @@ def check_kv_pool_layers(attention_class: type) -> None:
     own pool layer (its rank among the full-attention layers, counted from transformers' config) and nowhere else."""
     problems = []
     run = run_tiny_checkpoint(attention_class, torch.float32)
-    problems += _pool_layout_problems("tiny checkpoint", run.pool, run.full_layers, run.locations, run.expected_kv)
+    problems += _pool_layout_problems(
+        "tiny checkpoint", run.config, run.pool, run.full_layers, run.locations, run.expected_kv
+    )
     for label, layer_types in LAYER_PATTERNS.items():
         problems += _pattern_problems(attention_class, label, layer_types)
     conclude(problems, f"one KV pool layer per full-attention layer, for {1 + len(LAYER_PATTERNS)} layer patterns")
@@ -411,6 +404,7 @@ def check_kv_pool_layers(attention_class: type) -> None:
 
 def _pool_layout_problems(
     label: str,
+    config: ModelConfig,
     pool: KVPool,
     full_layers: tuple[int, ...],
     locations: torch.Tensor,
@@ -423,7 +417,8 @@ def _pool_layout_problems(
         k_buf, _ = pool.get_kv(rank)
 
         def holds_keys_of(model_layer: int) -> bool:
-            return not compare("", k_buf[locations], expected_kv[model_layer][0], RELATIVE_TOLERANCE[torch.float32])
+            expected_keys = expected_kv[model_layer][0]
+            return not compare("", k_buf[locations], expected_keys, key_tolerance(config, expected_keys.dtype))
 
         if not holds_keys_of(layer):
             holder = [other for other in full_layers if holds_keys_of(other)]
@@ -468,4 +463,4 @@ def _pattern_problems(attention_class: type, label: str, layer_types: list[str])
             ours(hidden, cos, sin, fb)
             reference(hidden[None], (hf_cos[None], hf_sin[None]), mask, cache=cache)
         expected_kv[layer] = tuple(x[0].transpose(0, 1) for x in (cache.layers[layer].keys, cache.layers[layer].values))
-    return _pool_layout_problems(label, pool, config.full_attention_layers, table.locations(0), expected_kv)
+    return _pool_layout_problems(label, config, pool, config.full_attention_layers, table.locations(0), expected_kv)

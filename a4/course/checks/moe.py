@@ -20,6 +20,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from a4.course.checks import CheckFailed, conclude
+from a4.course.checks._harness import MLP_ROUNDINGS, compare_dtype, dtype_name, mlp_reduction_length, tolerance
 from a4.course.checks.state_pool import check_decode_chunked, check_decode_single, check_decode_varlen
 from a4.course.checks.weights import check_weight_loading, check_weight_skipped
 from a4.models.config import FULL_ATTENTION, ModelConfig
@@ -77,11 +78,6 @@ LAYER_SHAPES = (
     MoeShape(4, 4, 32, 8, 24, tokens=9),
     MoeShape(16, 4, 48, 24, 40, tokens=23, norm_topk_prob=False),
 )
-# float32: a4 and transformers should do the same float operations, but matrix products over differently ordered
-# rows may round differently.
-FLOAT32_TOLERANCE = 1e-5
-# bfloat16: a few units in the last place (2^-8 relative) of the largest output.
-BFLOAT16_TOLERANCE = 1e-2
 # bfloat16 routing weights: float32 arithmetic cast once gives transformers' bits, bar a rare rounding tie; a softmax
 # computed in bfloat16 changes about a third of them, each by about one unit in the last place.
 MAX_BFLOAT16_WEIGHTS_CHANGED = 0.05
@@ -164,19 +160,20 @@ def a4_block(shape: MoeShape, reference: nn.Module, dtype: torch.dtype) -> nn.Mo
     return block.to(dtype).eval()
 
 
-def _compare(what: str, got: torch.Tensor, want: torch.Tensor, tolerance: float) -> list[str]:
-    """`got` against transformers' `want`: the same shape and dtype, and max |got - want| / max |want| <= tolerance."""
-    if got.shape != want.shape or got.dtype != want.dtype:
-        return [f"{what} is {tuple(got.shape)} {got.dtype}; transformers' is {tuple(want.shape)} {want.dtype}"]
-    error = float((got.float() - want.float()).abs().max() / want.float().abs().max().clamp_min(1e-30))
-    return [f"{what} differs from transformers' by {error:.1e} (relative)"] if error > tolerance else []
+def layer_problems(shape: MoeShape, dtype: torch.dtype) -> list[str]:
+    """route, FusedExperts and SparseMoeBlock of one shape against transformers, on random weights and inputs.
 
-
-def layer_problems(shape: MoeShape, dtype: torch.dtype, tolerance: float) -> list[str]:
-    """route, FusedExperts and SparseMoeBlock of one shape against transformers, on random weights and inputs."""
+    Tolerances (see `_harness.tolerance`): the routing weights sum over the experts (softmax) and the top k
+    (renormalisation), rounded once; the experts over hidden, their intermediate size and the top k; the block over
+    all of that, the router and the shared expert.
+    """
     from a4.layers.moe import route
 
-    label = f"{shape}, {str(dtype).removeprefix('torch.')}"
+    label = f"{shape}, {dtype_name(dtype)}"
+    config = a4_config(shape)
+    weights_tolerance = tolerance(dtype, shape.num_experts + shape.top_k)
+    experts_tolerance = tolerance(dtype, shape.hidden + shape.intermediate + shape.top_k, roundings=MLP_ROUNDINGS)
+    block_tolerance = tolerance(dtype, mlp_reduction_length(config), roundings=MLP_ROUNDINGS)
     reference = transformers_block(shape).to(dtype)
     ours = a4_block(shape, reference, dtype)
     x = torch.randn(shape.tokens, shape.hidden, generator=torch.Generator().manual_seed(1)).to(dtype)
@@ -186,9 +183,10 @@ def layer_problems(shape: MoeShape, dtype: torch.dtype, tolerance: float) -> lis
         router = reference.gate if shape.norm_topk_prob else qwen3_moe_router(shape, reference.gate.weight)
         logits, want_weights, want_experts = router(x)
         routing = route(logits, shape.top_k, shape.norm_topk_prob)
+        # The top k of the same logits: the same experts, exactly (random logits have no ties).
         if not torch.equal(routing.experts, want_experts):
             problems.append(f"{label}: route: the expert ids differ from transformers' top-{shape.top_k}")
-        problems += _compare(f"{label}: route's weights", routing.weights, want_weights, tolerance)
+        problems += compare_dtype(f"{label}: route's weights", routing.weights, want_weights, weights_tolerance)
         if dtype == torch.bfloat16 and routing.weights.shape == want_weights.shape:
             changed = float((routing.weights != want_weights).float().mean())
             if changed > MAX_BFLOAT16_WEIGHTS_CHANGED:
@@ -197,20 +195,19 @@ def layer_problems(shape: MoeShape, dtype: torch.dtype, tolerance: float) -> lis
         if shape.norm_topk_prob:
             # The routed experts alone, given transformers' routing; then the whole block.
             want = reference.experts(x, want_experts, want_weights)
-            problems += _compare(f"{label}: FusedExperts", ours.experts(x, want_experts, want_weights), want, tolerance)
-            problems += _compare(f"{label}: SparseMoeBlock", ours(x), reference(x[None])[0], tolerance)
+            got = ours.experts(x, want_experts, want_weights)
+            problems += compare_dtype(f"{label}: FusedExperts", got, want, experts_tolerance)
+            problems += compare_dtype(f"{label}: SparseMoeBlock", ours(x), reference(x[None])[0], block_tolerance)
     return problems
 
 
 def check_moe_layer(shapes: tuple[MoeShape, ...] = LAYER_SHAPES) -> None:
-    """route, FusedExperts and SparseMoeBlock against transformers on random weights and inputs.
-
-    float32 to FLOAT32_TOLERANCE; bfloat16 to BFLOAT16_TOLERANCE, which with the dtype checks catches a weight or an
-    output left in float32 and a softmax computed in bfloat16.
-    """
+    """route, FusedExperts and SparseMoeBlock against transformers on random weights and inputs, in float32 and
+    bfloat16; with the dtype checks, bfloat16 catches a weight or an output left in float32 and a softmax computed
+    in bfloat16."""
     problems = []
-    for dtype, tolerance in ((torch.float32, FLOAT32_TOLERANCE), (torch.bfloat16, BFLOAT16_TOLERANCE)):
-        problems += [p for shape in shapes for p in layer_problems(shape, dtype, tolerance)]
+    for dtype in (torch.float32, torch.bfloat16):
+        problems += [p for shape in shapes for p in layer_problems(shape, dtype)]
     conclude(problems, f"router, experts and MoE block equal transformers' for {len(shapes)} shapes in both dtypes")
 
 

@@ -376,6 +376,7 @@ def check_immutable(checkpoint: str | Path) -> None:
             where = f"after serving the branches the {attempt} time, the checkpoint after {len(tokens)} tokens"
             if tokens not in after:
                 problems.append(f"{where} is gone (a hit must copy it, not take it)")
+            # A checkpoint is stored once and only ever copied from: equal, bit for bit.
             elif not (torch.equal(after[tokens][0], conv) and torch.equal(after[tokens][1], recurrent)):
                 problems.append(f"{where} changed (a hit must copy it into the request's slot, and the request "
                                 "must never write to it)")

@@ -197,6 +197,7 @@ def _snapshot(pool) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def _same_states(a: list[tuple[torch.Tensor, torch.Tensor]], b: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
+    """Equal, bit for bit: saving and restoring states only copies them."""
     return all(torch.equal(x, y) for layer_a, layer_b in zip(a, b, strict=True) for x, y in zip(layer_a, layer_b))
 
 

@@ -71,6 +71,7 @@ def check_weight_loading(model_dir: str | Path, label: str | None = None) -> Non
         hf_key = transformers_name(name)
         if hf_key not in hf_params:
             problems.append(f"{name}: transformers has no parameter {hf_key}")
+        # Both copy the same stored tensor (float32 holds every bfloat16 value): equal, bit for bit.
         elif not torch.equal(param, hf_params[hf_key]):
             problems.append(f"{name}: differs from transformers' {hf_key} (filled from the wrong checkpoint key?)")
     conclude(
