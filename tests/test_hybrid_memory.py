@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from a4 import LLM, SamplingParams
-from a4.checkpoints import preset_config
+from a4.checkpoints import preset_config, tiny_checkpoint
 from a4.engine.hybrid_memory import break_even_tokens, hybrid_ledger, plan_hybrid_memory
 from a4.engine.memory_plan import MemoryLedger, MemoryPlanError
 from a4.models.config import load_model_config, parse_config
@@ -56,7 +56,7 @@ def ckpt():
 
 
 @pytest.fixture(scope="module")
-def tiny(tiny_qwen3_5):
+def tiny(ckpt):
     """(ModelConfig, costs in float32) of the tiny checkpoint."""
     return load_model_config(ckpt), costs(read_config(ckpt), torch.float32)
 
@@ -180,13 +180,13 @@ def test_state_fraction_too_small_for_one_slot_names_the_numbers(tiny):
 
 
 @pytest.mark.parametrize("fraction", [0, 1, -0.5, 1.5])
-def test_state_fraction_outside_zero_one_is_rejected(tiny_qwen3_5, tiny, fraction):
+def test_state_fraction_outside_zero_one_is_rejected(ckpt, tiny, fraction):
     config, _ = tiny
     with pytest.raises(ValueError, match="state_fraction"):
         plan_hybrid_memory(config, budget_bytes=10**8, page_size=1, dtype=torch.float32, max_running_requests=4,
                            state_fraction=fraction)
     with pytest.raises(ValueError, match="state_fraction"):
-        LLM(tiny_qwen3_5, state_fraction=fraction)
+        LLM(ckpt, state_fraction=fraction)
 
 
 def test_state_fraction_is_refused_for_an_all_attention_model(tiny_qwen3):
@@ -223,16 +223,14 @@ def measured_pool_bytes(engine) -> int:
     [(3, 40, 1, 8, None, 0), (3, 200, 1, 4, None, 2), (6, 300, 4, 8, None, 16), (20, 8, 4, 8, 0.3, 3)],
 )
 def test_engine_pools_hold_kv_for_full_attention_only_and_fit_the_budget(
-    tiny_qwen3_5, tiny, slots_budget, tokens_budget, page_size, max_running_requests, fraction, checkpoints
+    ckpt, tiny, slots_budget, tokens_budget, page_size, max_running_requests, fraction, checkpoints
 ):
     _, c = tiny
     slot, page = c["table"] + c["state"], page_size * c["kv"]
     # The prefix cache's state checkpoints (one slot's state each) come out of the budget before slots and pages.
     budget = checkpoints * c["state"] + slots_budget * slot + tokens_budget * c["kv"]
-    engine = LLM(
-        tiny_qwen3_5, memory_budget_bytes=budget, max_running_requests=max_running_requests, page_size=page_size,
-        state_fraction=fraction, max_state_checkpoints=checkpoints,
-    ).engine  # fmt: skip
+    engine = LLM(ckpt, memory_budget_bytes=budget, max_running_requests=max_running_requests, page_size=page_size,
+                 state_fraction=fraction, max_state_checkpoints=checkpoints).engine
     rest = budget - checkpoints * c["state"]
     # As many slots as asked, within the share, and beside the KV of one full-length request.
     slots = min(max_running_requests, (rest - CONTEXT * c["kv"]) // slot)
@@ -291,8 +289,8 @@ NEW_TOKENS = 6
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_qwen3_5):
-    return hf_greedy(tiny_qwen3_5, PROMPTS, NEW_TOKENS)
+def reference(ckpt):
+    return hf_greedy(ckpt, PROMPTS, NEW_TOKENS)
 
 
 def run_and_watch(llm: LLM) -> tuple[list, list[tuple[int, int, int]]]:
@@ -309,7 +307,7 @@ def run_and_watch(llm: LLM) -> tuple[list, list[tuple[int, int, int]]]:
 
 
 @pytest.mark.parametrize("limit", ["slots", "pages"])
-def test_a_request_waits_for_memory_and_all_finish_with_transformers_tokens(tiny_qwen3_5, tiny, reference, limit):
+def test_a_request_waits_for_memory_and_all_finish_with_transformers_tokens(ckpt, tiny, reference, limit):
     _, c = tiny
     slot = c["table"] + c["state"]
     # The most a request stores: its prompt and all but its last output token.
@@ -318,7 +316,7 @@ def test_a_request_waits_for_memory_and_all_finish_with_transformers_tokens(tiny
         budget, want_slots = 2 * slot + sum(worst) * c["kv"], 2
     else:  # 3 slots, but KV for only the first two requests
         budget, want_slots = 3 * slot + (worst[0] + worst[1]) * c["kv"], 3
-    llm = LLM(tiny_qwen3_5, memory_budget_bytes=budget, max_running_requests=3, page_size=1, enable_prefix_cache=False)
+    llm = LLM(ckpt, memory_budget_bytes=budget, max_running_requests=3, page_size=1, enable_prefix_cache=False)
     assert llm.memory_plan.max_running_requests == want_slots
     reqs, steps = run_and_watch(llm)
     assert [r.output_ids for r in reqs] == reference

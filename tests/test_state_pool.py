@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from a4.checkpoints import preset_config, tiny_checkpoint
+from a4.checkpoints import preset_config
 from a4.core import Req, SamplingParams
 from a4.course.checks import CheckFailed
 from a4.course.checks import state_pool as checks
@@ -86,8 +86,8 @@ def test_clear_new_requests_zeroes_only_the_slots_of_requests_with_nothing_cache
     assert torch.equal(pool.recurrent_state(0)[0], before[0][1][0])
 
 
-def test_state_reset_check_passes_on_the_reference(checkpoint):
-    checks.check_state_reset(StatePool, checkpoint)
+def test_state_reset_check_passes_on_the_reference(tiny_qwen3_5):
+    checks.check_state_reset(StatePool, tiny_qwen3_5)
 
 
 class NoReset(StatePool):
@@ -120,15 +120,15 @@ class ResetsRecurrentOnly(StatePool):
         (ResetsRecurrentOnly, "does a new request start from zero state"),
     ],
 )
-def test_state_reset_check_fails_on_wrong_pools(checkpoint, mutant, message):
+def test_state_reset_check_fails_on_wrong_pools(tiny_qwen3_5, mutant, message):
     with pytest.raises(CheckFailed, match=message):
-        checks.check_state_reset(mutant, checkpoint)
+        checks.check_state_reset(mutant, tiny_qwen3_5)
 
 
-def test_state_reset_check_sees_the_engine_skip_the_reset(checkpoint, monkeypatch):
+def test_state_reset_check_sees_the_engine_skip_the_reset(tiny_qwen3_5, monkeypatch):
     """The engine part alone: the engine's pool (the reference StatePool) with its reset switched off."""
     monkeypatch.setattr(StatePool, "clear_new_requests", lambda self, reqs: None)
-    problems = checks._engine_reset_problems(checkpoint)
+    problems = checks._engine_reset_problems(tiny_qwen3_5)
     assert problems and "does a new request start from zero state" in problems[0]
 
 
