@@ -19,9 +19,15 @@ class CheckFailed(AssertionError):
     """A check found the student's result different from the reference."""
 
 
-def conclude(problems: list[str], success: str) -> None:
-    """Raise CheckFailed listing `problems`, or print `success` when there are none."""
+def conclude(problems: list[str], success: str, likely: str | None = None) -> None:
+    """Raise CheckFailed listing `problems`, or print `success` when there are none.
+
+    likely: the probable cause, from a cheap test of a usual mistake (the output equals what that mistake computes);
+    when there are problems it comes first, so that the student reads a cause before the numbers.
+    """
     if problems:
+        if likely:
+            problems = [f"likely cause: {likely}", *problems]
         more = f" (and {len(problems) - 1} more below)" if len(problems) > 1 else ""
         raise CheckFailed(f"{problems[0]}{more}\n" + "\n".join(f"  - {p}" for p in problems))
     print(f"PASSED: {success}")
