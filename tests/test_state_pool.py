@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from a4.checkpoints import preset_config
+from a4.course.checks import CheckFailed
 from a4.course.checks import state_pool as checks
 from a4.kvcache.state_pool import StatePool, StateCheckpoint
 from a4.models.config import parse_config
@@ -98,3 +99,34 @@ def test_bad_arguments(config):
         pool.restore(pool.save(0), 5)
     with pytest.raises(IndexError, match="GDN layer"):
         pool.recurrent_state(pool.num_layers)
+
+
+# ------------------------------------------------------------- an engine check failing for an earlier notebook
+
+
+def norm_without_one(self, x: torch.Tensor) -> torch.Tensor:
+    """Notebook 03's usual mistake: x̂ · w where the zero-centred norm scales by 1 + w."""
+    x32 = x.float()
+    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight.float()).to(x.dtype)
+
+
+def test_engine_check_failing_for_notebook_03_says_to_fix_notebook_03_first(tiny_qwen3_5, monkeypatch):
+    import a4.layers.gated_attention
+
+    monkeypatch.setattr(a4.layers.gated_attention.ZeroCenteredRMSNorm, "forward", norm_without_one)
+    with pytest.raises(CheckFailed) as failure:
+        checks.check_decode_single(tiny_qwen3_5)
+    lines = str(failure.value).splitlines()
+    assert lines[0].startswith("fix notebook 03's failing checks first (zero-centred-rmsnorm")
+    assert any(line.startswith("this check's own failure: CheckFailed") for line in lines)
+
+
+def test_engine_check_failing_for_its_own_code_reports_its_own_failure(tiny_qwen3_5, monkeypatch):
+    import a4.engine.engine
+
+    def wrong_tokens(self, *args, **kwargs):
+        raise RuntimeError("the engine's own bug")
+
+    monkeypatch.setattr(a4.engine.engine.Engine, "step", wrong_tokens)
+    with pytest.raises(RuntimeError, match="the engine's own bug"):
+        checks.check_decode_single(tiny_qwen3_5)

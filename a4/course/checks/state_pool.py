@@ -23,6 +23,7 @@ import torch
 from a4.checkpoints import preset_config
 from a4.core import Output, SamplingParams
 from a4.course.checks import CheckFailed, conclude
+from a4.course.checks._earlier import ENGINE, after_notebooks
 from a4.course.checks.config import QWEN3_5_PRESETS
 from a4.models.config import LINEAR_ATTENTION, parse_config
 
@@ -73,6 +74,7 @@ def _configs(checkpoint: str | Path) -> dict[str, dict[str, Any]]:
     return configs
 
 
+@after_notebooks("01")
 def check_pool_layout(state_pool_class: type, checkpoint: str | Path, num_slots: int = 3) -> None:
     """One conv and one recurrent state per GDN layer, of the right shapes and dtypes, zero, and views of the pool.
 
@@ -133,6 +135,7 @@ def _layout_problems(
     return problems
 
 
+@after_notebooks("01")
 def check_bytes_per_slot(bytes_per_slot, checkpoint: str | Path) -> None:
     """StatePool.bytes_per_slot(config, dtype) equals the bytes computed from config.json, for every config."""
     problems = []
@@ -146,6 +149,7 @@ def check_bytes_per_slot(bytes_per_slot, checkpoint: str | Path) -> None:
     conclude(problems, f"bytes_per_slot matches config.json for {len(configs)} configs in float32 and bfloat16")
 
 
+@after_notebooks("01")
 def check_save_restore(state_pool_class: type, checkpoint: str | Path, num_slots: int = 4) -> None:
     """save copies one slot's whole state; restore copies it into one slot and leaves every other slot alone."""
     raw = read_config(checkpoint)
@@ -280,6 +284,7 @@ def _llm(checkpoint: str | Path, **kwargs):
     return LLM(checkpoint, hybrid_prefix_policy="refuse", **kwargs)
 
 
+@after_notebooks(*ENGINE)
 def check_decode_single(checkpoint: str | Path) -> None:
     """One request alone (a 130-token prompt: two GDN chunks, the second partial)."""
     prompts = shared_prompts(checkpoint)
@@ -292,6 +297,7 @@ def check_decode_single(checkpoint: str | Path) -> None:
     )
 
 
+@after_notebooks(*ENGINE)
 def check_decode_varlen(checkpoint: str | Path) -> None:
     """Every prompt (1 to 300 tokens) prefilled in one step and decoded in one batch."""
     prompts = shared_prompts(checkpoint)
@@ -307,6 +313,7 @@ def check_decode_varlen(checkpoint: str | Path) -> None:
     )
 
 
+@after_notebooks(*ENGINE)
 def check_decode_chunked(checkpoint: str | Path, budgets: Sequence[int] = CHUNK_BUDGETS) -> None:
     """Prompts prefilled in chunks of each budget, cut anywhere but on the GDN layer's 64-token chunk boundaries.
 
@@ -327,6 +334,7 @@ def check_decode_chunked(checkpoint: str | Path, budgets: Sequence[int] = CHUNK_
     conclude(problems, f"chunked prefill with budgets {list(budgets)}: every token equal to transformers'")
 
 
+@after_notebooks(*ENGINE)
 def check_decode_slot_reuse(checkpoint: str | Path, num_slots: int = 3) -> None:
     """12 requests through 3 slots: staggered lengths and max_new_tokens, arriving in two generate calls."""
     prompts = shared_prompts(checkpoint)
@@ -359,6 +367,7 @@ def poison(state_pool, generator: torch.Generator) -> None:
             state.copy_(torch.randn(state.shape, generator=generator) * 1e3)
 
 
+@after_notebooks(*ENGINE)
 def check_state_poisoned(checkpoint: str | Path, num_slots: int = 5) -> None:
     """Garbage in every slot before requests arrive: tokens unchanged, and slots no request used keep it bit for bit.
 
