@@ -8,6 +8,7 @@ unwritten exercise is left to propagate: its message already names the exercise 
 
 The unit tests drive these same checks. Shared by both: `_harness` (how close is close enough: one tolerance rule
 and one comparison for every check and test; random inputs) and `_model_runner` (layers and models stepped by hand).
+`_earlier` makes an engine-level check that fails name the earlier notebook whose own checks fail.
 """
 
 from __future__ import annotations
