@@ -243,11 +243,11 @@ def test_release_has_no_solutions_and_clear_notebooks(handout: Path) -> None:
             assert cell.cell_type != "code" or (not cell.outputs and cell.execution_count is None)
 
 
-def _grade(repo: Path, junit: Path) -> subprocess.Popen:
+def _grade(repo: Path, junit: Path, notebook: str = "01") -> subprocess.Popen:
     # The handout builds no checkpoint of its own: it shares the repository's cache (keys are content hashes).
     # Two gradings run at once: one OpenMP thread each keeps them from oversubscribing the cores.
     env = _env(False, PYTHONPATH=str(repo), A4_CACHE_DIR=str(cache_root().parent), OMP_NUM_THREADS="1")
-    command = [sys.executable, "-m", "a4.course", "grade", str(repo), "--notebook", "01", "--junit", str(junit)]
+    command = [sys.executable, "-m", "a4.course", "grade", str(repo), "--notebook", notebook, "--junit", str(junit)]
     return subprocess.Popen(command, cwd=repo, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -280,6 +280,28 @@ def test_grade_fails_every_check_on_the_skeleton_and_passes_them_with_solutions(
         assert f"PASS  01_config.ipynb::{check_id}" in graded_out
     assert f"{len(check_ids)}/{len(check_ids)} checks pass" in graded_out
     assert _junit_cases(tmp_path / "solved.xml") == {check_id: True for check_id in check_ids}
+
+
+def test_grade_puts_a_syntax_error_in_a_student_file_first_in_every_check(handout: Path, tmp_path: Path) -> None:
+    broken = tmp_path / "broken"
+    shutil.copytree(handout, broken)
+    student_file = broken / "a4/layers/deltanet.py"
+    lines = student_file.read_text().splitlines()
+    line = next(i for i, text in enumerate(lines) if text.startswith("def ")) + 1
+    lines.insert(line - 1, "def broken(:")
+    student_file.write_text("\n".join(lines) + "\n")
+    check_ids = check_cells(read_notebook(REPO_ROOT / "notebooks/04_gated_deltanet.ipynb"))
+
+    grading = _grade(broken, tmp_path / "broken.xml", notebook="04")
+    out = grading.communicate()[0]
+
+    assert grading.returncode == 1, out
+    # The first line of every check names the cause, not the NameError it led to.
+    cause = f"SyntaxError: a4/layers/deltanet.py does not import (line {line}: invalid syntax)"
+    for check_id in check_ids:
+        assert f"FAIL  04_gated_deltanet.ipynb::{check_id}" in out
+    report = [text for text in out.splitlines() if text.startswith("FAIL  04_gated_deltanet.ipynb::")]
+    assert len(report) == len(check_ids) and all(cause in text for text in report), out
 
 
 QWEN3_ON_SKELETON = """

@@ -11,9 +11,12 @@ logits and greedy tokens against transformers on the tiny checkpoint.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
+from a4.course.checks import CheckFailed
 from a4.course.checks import deltanet as checks
 from a4.course.checks._harness import assert_close, randn
 from a4.layers.deltanet import (
@@ -78,3 +81,41 @@ def test_layer_decode_matches_transformers():
 def test_layer_states_match_transformers_cache():
     checks.check_layer_states(GatedDeltaNet)
 
+
+
+# ------------------------------------------------------------- what the checks say about the usual mistakes
+# Mutant student implementations: each check must name the mistake in its first line, not only a number.
+
+
+class NormGatedFirst(GatedRMSNorm):
+    """norm(x · silu(z)) · w, where Qwen3.5 normalises first: norm(x) · w · silu(z)."""
+
+    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        gated = (x.float() * torch.nn.functional.silu(z.float())).to(x.dtype).float()
+        normed = (gated * torch.rsqrt(gated.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+        return (self.weight * normed).to(x.dtype)
+
+
+class LayerKeepingReusedStates(GatedDeltaNet):
+    """Every request continues from what its slot holds, as if it had a prefix: a reused slot leaks into it."""
+
+    def forward(self, hidden, fb, conv_state, recurrent_state):
+        continued = dataclasses.replace(fb, prefix_lens=[max(p, 1) for p in fb.prefix_lens])
+        return super().forward(hidden, continued, conv_state, recurrent_state)
+
+
+def first_line(check, *args) -> str:
+    with pytest.raises(CheckFailed) as failure:
+        check(*args)
+    return str(failure.value).splitlines()[0]
+
+
+def test_gated_norm_check_names_the_gate_applied_before_the_norm():
+    line = first_line(checks.check_gated_norm, NormGatedFirst)
+    assert line.startswith("likely cause: the output equals norm(x · silu(z)): the gate comes after the norm")
+
+
+@pytest.mark.parametrize("check", [checks.check_layer_prefill, checks.check_layer_states])
+def test_layer_checks_ask_whether_a_new_request_starts_from_zero_state(check):
+    line = first_line(check, LayerKeepingReusedStates)
+    assert "does a new request (fb.prefix_lens[i] == 0) start from zero state" in line

@@ -167,3 +167,58 @@ def test_bad_arguments(config):
         pool.restore(pool.save(0), 5)
     with pytest.raises(IndexError, match="GDN layer"):
         pool.recurrent_state(pool.num_layers)
+
+
+# ------------------------------------------------------------- an engine check failing for an earlier notebook
+
+
+def norm_without_one(self, x: torch.Tensor) -> torch.Tensor:
+    """Notebook 03's usual mistake: x̂ · w where the zero-centred norm scales by 1 + w."""
+    x32 = x.float()
+    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight.float()).to(x.dtype)
+
+
+def test_engine_check_failing_for_notebook_03_says_to_fix_notebook_03_first(tiny_qwen3_5, monkeypatch):
+    import a4.layers.gated_attention
+
+    monkeypatch.setattr(a4.layers.gated_attention.ZeroCenteredRMSNorm, "forward", norm_without_one)
+    with pytest.raises(CheckFailed) as failure:
+        checks.check_decode_single(tiny_qwen3_5)
+    lines = str(failure.value).splitlines()
+    assert lines[0].startswith("fix notebook 03's failing checks first (zero-centred-rmsnorm")
+    assert any(line.startswith("this check's own failure: CheckFailed") for line in lines)
+
+
+def test_engine_check_failing_for_its_own_code_reports_its_own_failure(tiny_qwen3_5, monkeypatch):
+    import a4.engine.engine
+
+    def wrong_tokens(self, *args, **kwargs):
+        raise RuntimeError("the engine's own bug")
+
+    monkeypatch.setattr(a4.engine.engine.Engine, "step", wrong_tokens)
+    with pytest.raises(RuntimeError, match="the engine's own bug"):
+        checks.check_decode_single(tiny_qwen3_5)
+
+
+def test_poisoned_slots_read_by_new_requests_lead_to_the_zero_state_question(tiny_qwen3_5, monkeypatch):
+    """A layer that continues every request from its slot's rows, and no clear by the engine: notebook 04's layer
+    checks fail first, naming the reused slot; the check's own failure asks the same question."""
+    import dataclasses
+
+    import a4.engine.engine
+    import a4.layers.deltanet
+
+    layer_forward = a4.layers.deltanet.GatedDeltaNet.forward
+
+    def keeping_reused_states(self, hidden, fb, conv_state, recurrent_state):
+        continued = dataclasses.replace(fb, prefix_lens=[max(p, 1) for p in fb.prefix_lens])
+        return layer_forward(self, hidden, continued, conv_state, recurrent_state)
+
+    monkeypatch.setattr(a4.layers.deltanet.GatedDeltaNet, "forward", keeping_reused_states)
+    monkeypatch.setattr(a4.engine.engine.Engine, "_clear_new_states", lambda self, batch: None)
+    with pytest.raises(CheckFailed) as failure:
+        checks.check_state_poisoned(tiny_qwen3_5)
+    message = str(failure.value)
+    assert message.startswith("fix notebook 04's failing checks first (gdn-layer-prefill")
+    assert "gdn-layer-prefill: CheckFailed: likely cause: NaN" in message
+    assert "this check's own failure: CheckFailed: likely cause: if decode-single passes" in message

@@ -50,6 +50,8 @@ def grade(repo: Path, junit: Path, prefixes: list[str] | None = None, workers: i
         print(f"{status:4}  {r.name:{width}}  {r.error if r.failed else ''}".rstrip())
     # Failures outside check cells are not graded, but they often explain a failing check.
     others = [r for r in results if not r.check_id and r.failed and not r.exercise_not_implemented]
+    # One line per cause: a file that does not import fails every cell after it with the same first line.
+    others = list({r.error: r for r in reversed(others)}.values())[::-1]
     if others:
         print("\nerrors in other cells:")
         for r in others:

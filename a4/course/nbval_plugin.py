@@ -55,6 +55,16 @@ def _named_by_check_id(item: pytest.Item) -> pytest.Item:
     return item
 
 
+# A cell that fails with one of these could not import a module (a student's file that does not even parse): every
+# later cell of its notebook that uses the names it should have defined fails for that reason.
+IMPORT_ERRORS = ("SyntaxError", "IndentationError", "TabError", "ImportError", "ModuleNotFoundError")
+# A file named in a traceback: `File "/path/to/a4/layers/deltanet.py", line 12` (IPython also writes `File path:12`).
+TRACEBACK_FILE = re.compile(r'File "?([^",\n]+\.py)"?(?:, line |:)(\d+)')
+SYNTAX_ERROR_PLACE = re.compile(r" \([^()]*, line \d+\)$")
+# notebook path -> (ename, first line) of its first import failure: one notebook runs in one process (loadfile).
+_import_failures: dict[Path, tuple[str, str]] = {}
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> pytest.TestReport:
     report = yield
@@ -62,9 +72,35 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> pytes
     errors = [out for out in outputs if out.get("output_type") == "error"]
     if call.when == "call" and errors:
         error = errors[-1]
+        ename, evalue = error["ename"], error["evalue"]
         traceback = ANSI_ESCAPE.sub("", "\n".join(error.get("traceback", [])))
-        report.user_properties.append(("a4_error", (error["ename"], error["evalue"], traceback)))
+        notebook = Path(item.path)
+        if notebook in _import_failures:
+            # Put the cause first: "NameError: name 'GatedDeltaNet' is not defined" sends a student looking in
+            # the wrong place.
+            cause_name, cause = _import_failures[notebook]
+            ename, evalue = cause_name, f"{cause}\n(this cell then failed with {ename}: {evalue})"
+        elif ename in IMPORT_ERRORS:
+            _import_failures[notebook] = (ename, _import_failure(evalue, traceback, Path(item.config.rootpath)))
+            evalue = f"{_import_failures[notebook][1]}\n{evalue}"
+        report.user_properties.append(("a4_error", (ename, evalue, traceback)))
     return report
+
+
+def _import_failure(evalue: str, traceback: str, root: Path) -> str:
+    """One line naming the file that does not import and why, e.g. "a4/layers/deltanet.py does not import (line 12:
+    invalid syntax): fix it, then run the notebook again from the top"."""
+    files = [(Path(path), line) for path, line in TRACEBACK_FILE.findall(traceback)]
+    inside = [(path, line) for path, line in files if path.is_relative_to(root)]
+    reason = evalue.strip().splitlines()[0] if evalue.strip() else "an import error"
+    reason = SYNTAX_ERROR_PLACE.sub("", reason)  # "invalid syntax (deltanet.py, line 12)": the place is said below
+    if not inside:
+        return f"the notebook's imports failed ({reason}): fix that, then run the notebook again from the top"
+    path, line = inside[-1]
+    return (
+        f"{path.relative_to(root)} does not import (line {line}: {reason}): fix it, then run the notebook again "
+        f"from the top"
+    )
 
 
 def pytest_configure(config: pytest.Config) -> None:

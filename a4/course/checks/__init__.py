@@ -8,6 +8,7 @@ unwritten exercise is left to propagate: its message already names the exercise 
 
 The unit tests drive these same checks. Shared by both: `_harness` (how close is close enough: one tolerance rule
 and one comparison for every check and test; random inputs) and `_model_runner` (layers and models stepped by hand).
+`_earlier` makes an engine-level check that fails name the earlier notebook whose own checks fail.
 """
 
 from __future__ import annotations
@@ -19,9 +20,15 @@ class CheckFailed(AssertionError):
     """A check found the student's result different from the reference."""
 
 
-def conclude(problems: list[str], success: str) -> None:
-    """Raise CheckFailed listing `problems`, or print `success` when there are none."""
+def conclude(problems: list[str], success: str, likely: str | None = None) -> None:
+    """Raise CheckFailed listing `problems`, or print `success` when there are none.
+
+    likely: the probable cause, from a cheap test of a usual mistake (the output equals what that mistake computes);
+    when there are problems it comes first, so that the student reads a cause before the numbers.
+    """
     if problems:
+        if likely:
+            problems = [f"likely cause: {likely}", *problems]
         more = f" (and {len(problems) - 1} more below)" if len(problems) > 1 else ""
         raise CheckFailed(f"{problems[0]}{more}\n" + "\n".join(f"  - {p}" for p in problems))
     print(f"PASSED: {success}")

@@ -142,6 +142,12 @@ def dtype_name(dtype: torch.dtype) -> str:
     return next(name for name, d in DTYPES.items() if d == dtype)
 
 
+def rms_normalised(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x̂ = x / sqrt(mean(x²) + eps) over the last dim, in float32: what a norm's usual mistakes are tested with."""
+    x32 = x.float()
+    return x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+
+
 def randn(*shape: int, seed: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Standard normal values of a fixed seed (drawn in float32, then cast)."""
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)

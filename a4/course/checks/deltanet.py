@@ -33,6 +33,7 @@ from a4.course.checks._harness import (
     gdn_reduction_length,
     model_reduction_length,
     randn,
+    rms_normalised,
     shape_problems,
     tolerance,
 )
@@ -296,6 +297,7 @@ def check_gated_norm(norm_class: type) -> None:
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5RMSNormGated
 
     problems = []
+    likely = None
     for dv in (8, 24):
         for name, dtype in DTYPES.items():
             reference = Qwen3_5RMSNormGated(dv, eps=1e-6)
@@ -310,8 +312,15 @@ def check_gated_norm(norm_class: type) -> None:
             # A sum over dv; rounded after the norm and after the gate.
             allowed = tolerance(dtype, dv, roundings=2)
             with torch.no_grad():
-                problems += compare_dtype(f"dv {dv}, {name}", ours(x, z), reference(x, z), allowed, elementwise=True)
-    conclude(problems, "the gated RMSNorm matches transformers' Qwen3_5RMSNormGated in float32 and bfloat16")
+                output = ours(x, z)
+                found = compare_dtype(f"dv {dv}, {name}", output, reference(x, z), allowed, elementwise=True)
+                # The usual mistake: gating first, then normalising (what some gated norms elsewhere do).
+                gated_first = rms_normalised((x.float() * F.silu(z.float())).to(dtype), 1e-6)
+                if found and not compare("", output, reference.weight.float() * gated_first, allowed):
+                    likely = "the output equals norm(x · silu(z)): the gate comes after the norm, norm(x) · silu(z)"
+                problems += found
+    conclude(problems, "the gated RMSNorm matches transformers' Qwen3_5RMSNormGated in float32 and bfloat16", likely)
+
 
 
 # ------------------------------------------------------------------------------------------------------ the layer
@@ -404,15 +413,23 @@ DECODE_STEPS = 3
 
 
 def run_layer_scenario(layer_class: type, shape_name: str, dtype: torch.dtype) -> dict[str, list[str]]:
-    """The layer scenario for one shape and dtype: problems of each part ("prefill", "decode", "states")."""
+    """The layer scenario for one shape and dtype: problems of each part ("prefill", "decode", "states"), and
+    "likely": the probable cause of any of them, when a cheap test of a usual mistake finds one."""
     pair = LayerPair(layer_class, SHAPES[shape_name], dtype)
     pair.conv_state[0], pair.recurrent_state[0] = float("nan"), float("nan")
     pair.conv_state[3], pair.recurrent_state[3] = 1e3, 1e3
     label = f"{shape_name}, {dtype_name(dtype)}"
-    problems = {"prefill": [], "decode": [], "states": []}
+    problems = {"prefill": [], "decode": [], "states": [], "likely": []}
     lengths = ", ".join(map(str, FIRST_PREFILL.values()))
     first_label = f"{label}, prefill of requests of {lengths} tokens"
-    problems["prefill"] += pair.step_problems(first_label, FIRST_PREFILL, seed=1)
+    ours, expected = pair.step(FIRST_PREFILL, seed=1)
+    problems["prefill"] += compare_dtype(first_label, ours, expected, pair.output_tolerance())
+    # The only NaN in sight is in slot 0's rows, which its new request must not read.
+    if ours.isnan().any():
+        problems["likely"].append(
+            "NaN in the output of a request whose slot held an earlier request's NaN states: does a new request "
+            "(fb.prefix_lens[i] == 0) start from zero state, whatever its slot's rows hold?"
+        )
     problems["states"] += pair.state_problems(f"{label}, after the prefill")
     second_label = f"{label}, second prefill chunk of {SECOND_CHUNK[1]} tokens"
     problems["prefill"] += pair.step_problems(second_label, SECOND_CHUNK, seed=2)
@@ -424,11 +441,13 @@ def run_layer_scenario(layer_class: type, shape_name: str, dtype: torch.dtype) -
 
 
 def _layer_check(layer_class: type, part: str, success: str) -> None:
-    problems = []
+    problems, likely = [], []
     for shape_name in SHAPES:
         for dtype in DTYPES.values():
-            problems += run_layer_scenario(layer_class, shape_name, dtype)[part]
-    conclude(problems, success)
+            scenario = run_layer_scenario(layer_class, shape_name, dtype)
+            problems += scenario[part]
+            likely += scenario["likely"]
+    conclude(problems, success, likely[0] if likely else None)
 
 
 def check_layer_prefill(layer_class: type) -> None:

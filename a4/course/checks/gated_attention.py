@@ -34,6 +34,7 @@ from a4.course.checks._harness import (
     compare_dtype,
     dtype_name,
     randn,
+    rms_normalised,
     tolerance,
 )
 from a4.course.checks._model_runner import PAGE_SIZE, SlotTable, kv_pool_for
@@ -86,6 +87,7 @@ def check_zero_centred_norm(norm_class: type) -> None:
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5RMSNorm
 
     problems = []
+    likely = None
     for dim, eps in ((24, 1e-6), (40, 1e-5)):
         if not torch.equal(norm_class(dim, eps).weight.detach(), torch.zeros(dim)):
             problems.append(f"dim {dim}: a new norm's weight must be zeros (zero-centred: scale 1 + w)")
@@ -101,8 +103,16 @@ def check_zero_centred_norm(norm_class: type) -> None:
             with torch.no_grad():
                 label = f"dim {dim}, eps {eps:g}, {dtype_name}"
                 # One sum over the dim; one rounding of the result.
-                problems += compare_dtype(label, ours(x), reference(x), tolerance(dtype, dim), elementwise=True)
-    conclude(problems, "the zero-centred RMSNorm matches transformers' Qwen3_5RMSNorm in float32 and bfloat16")
+                output, allowed = ours(x), tolerance(dtype, dim)
+                found = compare_dtype(label, output, reference(x), allowed, elementwise=True)
+                # The usual mistake: Qwen3's RMSNorm (scale w) instead of the zero-centred one (scale 1 + w).
+                if found and not compare("", output, rms_normalised(x, eps) * reference.weight.float(), allowed):
+                    likely = "the output equals x̂ · w: missing the 1 + w of the zero-centred norm?"
+                problems += found
+    conclude(
+        problems, "the zero-centred RMSNorm matches transformers' Qwen3_5RMSNorm in float32 and bfloat16", likely
+    )
+
 
 
 def transformers_cos_sin(text_config: Any, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
@@ -121,6 +131,7 @@ def check_partial_rope(apply_partial_rope) -> None:
 
     positions = torch.tensor([0, 1, 2, 7, 100, 3000])
     problems = []
+    likely = None
     for factor in (0.25, 0.5, 1.0):
         text = Qwen3_5TextConfig(
             hidden_size=40, num_attention_heads=6, num_key_value_heads=2, head_dim=48,
@@ -140,10 +151,34 @@ def check_partial_rope(apply_partial_rope) -> None:
                 expected_x = expected[0].transpose(0, 1)
                 # x * cos + rotate_half(x) * sin: a sum of two terms, one rounding.
                 problems += compare_dtype(f"{label}, {name}", ours, expected_x, tolerance(dtype, 2), elementwise=True)
+                if ours.shape != x.shape:
+                    continue
                 # The dims past rotary_dim pass through, untouched: equal, bit for bit.
-                if ours.shape == x.shape and not torch.equal(ours[..., rotary_dim:], x[..., rotary_dim:]):
+                if not torch.equal(ours[..., rotary_dim:], x[..., rotary_dim:]):
                     problems.append(f"{label}, {name}: dims {rotary_dim}..47 changed; they must pass through as is")
-    conclude(problems, "partial RoPE matches transformers for 3 rotary fractions in float32 and bfloat16")
+                    likely = likely or (
+                        f"the pass-through dims changed: only the first rotary_dim dims of each head rotate (here "
+                        f"{rotary_dim} of 48), the others are copied as they are"
+                    )
+                # The usual mistake: rotate_half over the whole head, which pairs dim i with i + head_dim/2 instead
+                # of i + rotary_dim/2. (With the whole head rotating the two are the same.)
+                elif rotary_dim < 48 and not compare(
+                    "", ours[..., :rotary_dim], _paired_across_head(x, cos, sin), tolerance(dtype, 2)
+                ):
+                    likely = likely or (
+                        f"the rotated dims pair dim i with dim i + 24 (half the head); RoPE pairs dim i with "
+                        f"i + {rotary_dim // 2} (half of the rotary_dim {rotary_dim}): take rotate_half of the "
+                        f"first rotary_dim dims only"
+                    )
+    conclude(problems, "partial RoPE matches transformers for 3 rotary fractions in float32 and bfloat16", likely)
+
+
+def _paired_across_head(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The rotary dims as a RoPE computes them that takes rotate_half over the whole head: x * cos + the first
+    rotary_dim dims of (-x[half:], x[:half]) * sin, half = head_dim / 2. cos, sin: [T, rotary_dim]; x: [T, H, D]."""
+    rotary_dim, half = cos.shape[-1], x.shape[-1] // 2
+    rotated_whole = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x[..., :rotary_dim] * cos[:, None] + rotated_whole[..., :rotary_dim] * sin[:, None]
 
 
 # ------------------------------------------------------------------------- one layer with random weights, batched
@@ -410,24 +445,34 @@ def _pool_layout_problems(
     locations: torch.Tensor,
     expected_kv: dict[int, tuple[torch.Tensor, torch.Tensor]],
 ) -> list[str]:
+    def holds(rank: int, model_layer: int, which: int) -> bool:
+        """Pool layer `rank` holds model layer `model_layer`'s keys (which=0) or values (which=1)."""
+        ours, expected = pool.get_kv(rank)[which][locations], expected_kv[model_layer][which]
+        allowed = key_tolerance(config, expected.dtype) if which == 0 else tolerance(expected.dtype, config.hidden_size)
+        return not compare("", ours, expected, allowed)
+
+    ranks = range(len(full_layers))
+    # Keys go through k_norm and RoPE before the pool, values do not: when no pool layer holds any layer's keys but
+    # the values are where they belong, the mapping is right and the keys were wrong before they were written.
+    if not any(holds(rank, layer, 0) for rank in ranks for layer in full_layers):
+        if all(holds(rank, layer, 1) for rank, layer in enumerate(full_layers)):
+            return [
+                f"{label}: no pool layer holds any layer's keys, yet every pool layer holds its layer's values: the "
+                f"keys are wrong before they reach the pool (k_norm or RoPE?): fix the checks kv-pool-keys, "
+                f"zero-centred-rmsnorm and partial-rope first"
+            ]
     problems = []
     others = torch.ones(pool.num_locations, dtype=torch.bool)
     others[locations] = False
     for rank, layer in enumerate(full_layers):
-        k_buf, _ = pool.get_kv(rank)
-
-        def holds_keys_of(model_layer: int) -> bool:
-            expected_keys = expected_kv[model_layer][0]
-            return not compare("", k_buf[locations], expected_keys, key_tolerance(config, expected_keys.dtype))
-
-        if not holds_keys_of(layer):
-            holder = [other for other in full_layers if holds_keys_of(other)]
+        if not holds(rank, layer, 0):
+            holder = [other for other in full_layers if holds(rank, other, 0)]
             found = f"model layer {holder[0]}'s keys" if holder else "no layer's keys"
             problems.append(
                 f"{label}: pool layer {rank} should hold the keys of model layer {layer} (full-attention layer "
                 f"{rank}); it holds {found}"
             )
-        if k_buf[others].any():
+        if pool.get_kv(rank)[0][others].any():
             problems.append(f"{label}: pool layer {rank} has values at locations the request does not own")
     return problems
 

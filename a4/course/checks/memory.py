@@ -20,6 +20,7 @@ import torch
 from a4.checkpoints import preset_config
 from a4.core import Req, SamplingParams
 from a4.course.checks import conclude
+from a4.course.checks._earlier import ENGINE, after_notebooks
 from a4.course.checks.config import QWEN3_5_PRESETS
 from a4.engine.memory_plan import MemoryLedger, MemoryPlan, MemoryPlanError
 from a4.models.config import ModelConfig, load_model_config, parse_config
@@ -130,6 +131,7 @@ def _published_problems(label: str, want: Published, fig: Figures, ledger: Memor
     return [f"{label} (published figure): {name}: expected {w:,}, got {g:,}" for name, (g, w) in got.items() if g != w]
 
 
+@after_notebooks("01")
 def check_ledger(
     hybrid_ledger: Callable[[ModelConfig, torch.dtype], MemoryLedger],
     break_even_tokens: Callable[[MemoryLedger, MemoryLedger], int],
@@ -245,6 +247,7 @@ def split_cases(fig: Figures) -> list[dict[str, Any]]:
     ]
 
 
+@after_notebooks("01")
 def check_split(plan_hybrid_memory: Callable[..., MemoryPlan], model_dir: str | Path) -> None:
     """Your plan for the tiny model over many budgets, page sizes and both policies, against the arithmetic here."""
     raw = json.loads((Path(model_dir) / "config.json").read_text())
@@ -327,6 +330,7 @@ def expected_checkpoint_bytes(fig: Figures, case: dict[str, Any]) -> int:
     return case["max_state_checkpoints"] * fig.state_bytes_per_slot
 
 
+@after_notebooks(*ENGINE, "05")
 def check_engine_memory(model_dir: str | Path) -> None:
     """The engine's plan and pools for the tiny model: state checkpoints set aside first, KV only for full attention,
     slots and pages as planned in what the checkpoints leave, within the budget."""
@@ -453,6 +457,7 @@ def admission_settings(model_dir: str | Path, limit: str) -> dict[str, Any]:
                 memory_budget_bytes=budget)
 
 
+@after_notebooks(*ENGINE, "05")
 def check_admission(plan_hybrid_memory: Callable[..., MemoryPlan], model_dir: str | Path) -> None:
     """Three requests where only two fit (by slots, then by pages): your plan and the engine's hold the slots and
     pages computed here, a request waits, and every token equals transformers'."""

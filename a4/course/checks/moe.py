@@ -20,6 +20,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from a4.course.checks import CheckFailed, conclude
+from a4.course.checks._earlier import after_notebooks
 from a4.course.checks._harness import MLP_ROUNDINGS, compare_dtype, dtype_name, mlp_reduction_length, tolerance
 from a4.course.checks.state_pool import check_decode_chunked, check_decode_single, check_decode_varlen
 from a4.course.checks.weights import check_weight_loading, check_weight_skipped
@@ -38,6 +39,7 @@ __all__ = [
 # ---------------------------------------------------------------------------------------------------------- weights
 
 
+@after_notebooks("01", "02")
 def check_moe_weights(model_dir: str | Path, label: str = "tiny MoE checkpoint") -> None:
     """The MoE checkpoint through a4's loader: every parameter equal to transformers', vision and MTP skipped.
 

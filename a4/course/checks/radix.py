@@ -28,6 +28,7 @@ import torch
 
 from a4.core import SamplingParams
 from a4.course.checks import CheckFailed, conclude
+from a4.course.checks._earlier import ENGINE, after_notebooks
 from a4.course.checks.state_pool import read_config, stop_tokens, text_config
 
 if TYPE_CHECKING:
@@ -250,6 +251,7 @@ def _llm(checkpoint: str | Path, **kwargs) -> LLM:
     return LLM(checkpoint, **kwargs)
 
 
+@after_notebooks(*ENGINE, "05")
 def check_refuse(checkpoint: str | Path) -> None:
     """hybrid_prefix_policy="refuse": a multi-turn chat never hits, every prompt token is prefilled, tokens exact."""
     workload = chat_workload(checkpoint, conversations=2, turns=3)
@@ -267,6 +269,7 @@ def check_refuse(checkpoint: str | Path) -> None:
                        "tokens equal to transformers'")
 
 
+@after_notebooks(*ENGINE, "05")
 def check_checkpoint(checkpoint: str | Path, page_size: int = 1) -> None:
     """The default policy on a multi-turn chat: each turn hits exactly at the end of the conversation's previous
     request (with page_size > 1, at the last state it saved on a page boundary)."""
@@ -315,6 +318,7 @@ def branching_requests(checkpoint: str | Path, seed: int = 1) -> list[tuple[str,
     ]
 
 
+@after_notebooks(*ENGINE, "05")
 def check_hit_positions(checkpoint: str | Path, page_size: int = 1) -> None:
     """Requests served one at a time with chunked prefill: every hit is exactly the longest stored checkpoint."""
     llm = _llm(checkpoint, page_size=page_size, max_prefill_tokens=CHUNK, max_state_checkpoints=NO_EVICTION)
@@ -343,6 +347,7 @@ def snapshot_checkpoints(llm: LLM) -> dict[tuple[int, ...], tuple[torch.Tensor, 
     }
 
 
+@after_notebooks(*ENGINE, "05")
 def check_immutable(checkpoint: str | Path) -> None:
     """A hit copies the checkpoint into the request's slot: the same prefix served twice gives the same tokens and
     the same hit, and the stored tensors do not change."""
@@ -384,6 +389,7 @@ def check_immutable(checkpoint: str | Path) -> None:
                        "same hits and transformers' tokens")
 
 
+@after_notebooks(*ENGINE, "05")
 def check_eviction(checkpoint: str | Path) -> None:
     """Checkpoints beyond max_state_checkpoints are evicted least recently used first, and never hit again; KV
     outlives its checkpoint; evicting a node's KV drops its checkpoint."""

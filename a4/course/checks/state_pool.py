@@ -24,6 +24,7 @@ import torch
 from a4.checkpoints import preset_config
 from a4.core import Output, SamplingParams
 from a4.course.checks import CheckFailed, conclude
+from a4.course.checks._earlier import ENGINE, after_notebooks
 from a4.course.checks.config import QWEN3_5_PRESETS
 from a4.models.config import LINEAR_ATTENTION, parse_config
 
@@ -76,6 +77,7 @@ def _configs(checkpoint: str | Path) -> dict[str, dict[str, Any]]:
     return configs
 
 
+@after_notebooks("01")
 def check_pool_layout(state_pool_class: type, checkpoint: str | Path, num_slots: int = 3) -> None:
     """One conv and one recurrent state per GDN layer, of the right shapes and dtypes, zero, and views of the pool.
 
@@ -136,6 +138,7 @@ def _layout_problems(
     return problems
 
 
+@after_notebooks("01")
 def check_bytes_per_slot(bytes_per_slot, checkpoint: str | Path) -> None:
     """StatePool.bytes_per_slot(config, dtype) equals the bytes computed from config.json, for every config."""
     problems = []
@@ -149,6 +152,7 @@ def check_bytes_per_slot(bytes_per_slot, checkpoint: str | Path) -> None:
     conclude(problems, f"bytes_per_slot matches config.json for {len(configs)} configs in float32 and bfloat16")
 
 
+@after_notebooks("01")
 def check_save_restore(state_pool_class: type, checkpoint: str | Path, num_slots: int = 4) -> None:
     """save copies one slot's whole state; restore copies it into one slot and leaves every other slot alone."""
     raw = read_config(checkpoint)
@@ -302,6 +306,7 @@ def describe_chunks(length: int) -> str:
     return f"{full + 1} GDN chunks of {size}, the last of {rest} token{'s' * (rest > 1)}"
 
 
+@after_notebooks(*ENGINE)
 def check_decode_single(checkpoint: str | Path) -> None:
     """One request alone: a 130-token prompt, several GDN chunks, the last one partial."""
     prompts = shared_prompts(checkpoint)
@@ -315,6 +320,7 @@ def check_decode_single(checkpoint: str | Path) -> None:
     )
 
 
+@after_notebooks(*ENGINE)
 def check_decode_varlen(checkpoint: str | Path) -> None:
     """Every prompt (1 to 300 tokens) prefilled in one step and decoded in one batch."""
     prompts = shared_prompts(checkpoint)
@@ -330,6 +336,7 @@ def check_decode_varlen(checkpoint: str | Path) -> None:
     )
 
 
+@after_notebooks(*ENGINE)
 def check_decode_chunked(checkpoint: str | Path, budgets: Sequence[int] = CHUNK_BUDGETS) -> None:
     """Prompts prefilled in chunks of each budget, cut before, at and after the GDN layer's chunk boundaries.
 
@@ -350,6 +357,7 @@ def check_decode_chunked(checkpoint: str | Path, budgets: Sequence[int] = CHUNK_
     conclude(problems, f"chunked prefill with budgets {list(budgets)}: every token equal to transformers'")
 
 
+@after_notebooks(*ENGINE)
 def check_decode_slot_reuse(checkpoint: str | Path, num_slots: int = 3) -> None:
     """12 requests through 3 slots: staggered lengths and max_new_tokens, arriving in two generate calls."""
     prompts = shared_prompts(checkpoint)
@@ -382,6 +390,7 @@ def poison(state_pool, generator: torch.Generator) -> None:
             state.copy_(torch.randn(state.shape, generator=generator) * 1e3)
 
 
+@after_notebooks(*ENGINE)
 def check_state_poisoned(checkpoint: str | Path, num_slots: int = 5) -> None:
     """Garbage in every slot before requests arrive: tokens unchanged, and slots no request used keep it bit for bit.
 
@@ -393,7 +402,7 @@ def check_state_poisoned(checkpoint: str | Path, num_slots: int = 5) -> None:
     llm = _llm(checkpoint, max_running_requests=num_slots, max_prefill_tokens=256)
     engine, pool = llm.engine, llm.engine.state_pool
     generator = torch.Generator().manual_seed(1)
-    problems = []
+    problems, wrong_tokens = [], False
     for label, picked in (("first run", [6, 0, 3]), ("second run", [2, 7, 4]), ("third run", [1, 5, 3, 0, 6, 2])):
         poison(pool, generator)
         before = _snapshot(pool)
@@ -404,12 +413,20 @@ def check_state_poisoned(checkpoint: str | Path, num_slots: int = 5) -> None:
             used |= {req.table_idx for req in reqs if req.table_idx >= 0}
         outputs = [Output(req.output_ids, req.prefix_hit_len, req.finish_reason, req.error) for req in reqs]
         expected = reference_tokens(checkpoint)
-        problems += token_problems(label, outputs, [prompts[i] for i in picked], [expected[i] for i in picked])
+        found = token_problems(label, outputs, [prompts[i] for i in picked], [expected[i] for i in picked])
+        wrong_tokens |= bool(found)
+        problems += found
         after = _snapshot(pool)
         touched = [s for s in range(num_slots) if s not in used and _slot_values(after, s) != _slot_values(before, s)]
         if touched:
             problems.append(f"{label}: slot(s) {touched} held no request, yet their state changed")
-    conclude(problems, "requests in poisoned slots match transformers, and no unused slot was written")
+    # The usual mistake, when the same requests in clean slots are right (decode-single): reading what a slot held.
+    likely = (
+        "if decode-single passes, a request read what its slot held before it: does a new request start from zero "
+        "state (its conv and recurrent state), whatever the slot holds?"
+    )
+    success = "requests in poisoned slots match transformers, and no unused slot was written"
+    conclude(problems, success, likely if wrong_tokens else None)
 
 
 def check_state_reset(state_pool_class: type, checkpoint: str | Path) -> None:
