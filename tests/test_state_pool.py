@@ -205,7 +205,7 @@ def test_poisoned_slots_read_by_new_requests_lead_to_the_zero_state_question(tin
     checks fail first, naming the reused slot; the check's own failure asks the same question."""
     import dataclasses
 
-    import a4.engine.engine
+    import a4.kvcache.state_pool
     import a4.layers.deltanet
 
     layer_forward = a4.layers.deltanet.GatedDeltaNet.forward
@@ -215,7 +215,7 @@ def test_poisoned_slots_read_by_new_requests_lead_to_the_zero_state_question(tin
         return layer_forward(self, hidden, continued, conv_state, recurrent_state)
 
     monkeypatch.setattr(a4.layers.deltanet.GatedDeltaNet, "forward", keeping_reused_states)
-    monkeypatch.setattr(a4.engine.engine.Engine, "_clear_new_states", lambda self, batch: None)
+    monkeypatch.setattr(a4.kvcache.state_pool.StatePool, "clear_new_requests", lambda self, reqs: None)
     with pytest.raises(CheckFailed) as failure:
         checks.check_state_poisoned(tiny_qwen3_5)
     message = str(failure.value)
