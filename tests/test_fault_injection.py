@@ -32,6 +32,15 @@ PROMPTS = [WARM + [7, 8, 9], [11, 12, 13, 14, 15], list(range(100, 140))]
 ENGINES = [("qwen3", "checkpoint", 1), ("qwen3_5", "checkpoint", 1), ("qwen3_5", "refuse", 1), ("qwen3_5", "checkpoint", 4)]
 
 
+@pytest.fixture(autouse=True)
+def ctrl_c_raises():
+    """SIGINT raises KeyboardInterrupt, also where the test runner was started with SIGINT ignored (in the
+    background), as a notebook kernel does."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
 class Interrupt:
     """Wraps `obj.name` so that its `at`-th call (counted from 1) raises KeyboardInterrupt, before or after it runs."""
 
