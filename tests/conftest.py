@@ -1,13 +1,24 @@
-"""Shared test setup: one torch thread per worker, and the cached tiny checkpoints as fixtures."""
+"""Shared test setup: one torch thread per worker, the cached tiny checkpoints as fixtures, and failures caused by an
+unwritten exercise reported as such.
+
+On a student's own code (A4_SOLUTIONS unset) a test that reaches an exercise still raising its NotImplementedError
+fails with one line, `exercise <id> not written yet: ...`, instead of a traceback, and the summary lists the
+exercises the failing tests wait for, in notebook order.
+"""
+
+from collections import Counter
 
 import pytest
 import torch
 
 from a4.checkpoints import tiny_checkpoint
+from a4.course.exercises import exercise_named_in, not_written_yet, unwritten_exercise
 
 # The suite runs in two pytest-xdist workers on two cores. Two OpenMP threads per worker oversubscribe the cores,
 # and small ops then wait on spinning threads: tiny-model forwards measured 10-20x slower than with one thread.
 torch.set_num_threads(1)
+
+NOT_WRITTEN = "exercise-not-written"  # the user property that carries the exercise's message to the summary
 
 
 @pytest.fixture(scope="session")
@@ -23,3 +34,32 @@ def tiny_qwen3_5():
 @pytest.fixture(scope="session")
 def tiny_qwen3_5_moe():
     return tiny_checkpoint("qwen3_5_moe")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> pytest.TestReport:
+    report = yield
+    if not report.failed or call.excinfo is None:
+        return report
+    error = call.excinfo.value
+    # A test may only tell it in words: a subprocess's traceback in its assertion, a command's error line.
+    message = unwritten_exercise(error) or exercise_named_in(f"{error}\n{report.capstdout}\n{report.capstderr}")
+    if message is not None:
+        report.longrepr = not_written_yet(message)
+        report.user_properties.append((NOT_WRITTEN, message))
+    return report
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    waiting = Counter(
+        properties[NOT_WRITTEN]
+        for kind in ("failed", "error")
+        for report in terminalreporter.stats.get(kind, [])
+        if NOT_WRITTEN in (properties := dict(getattr(report, "user_properties", [])))  # collection errors have none
+    )
+    if not waiting:
+        return
+    terminalreporter.section("exercises not written yet")
+    for message, count in sorted(waiting.items(), key=lambda item: (item[0].rsplit("(", 1)[-1], item[0])):
+        terminalreporter.line(f"{count:4} test(s) wait for {message}")
+    terminalreporter.line("`python -m a4.course list` shows where each exercise is; the notebooks explain them.")
