@@ -108,7 +108,7 @@ class BoundedCell(IPyNbCell):
         if where:
             message += f", stopped in {where}"
         if not self.parent.kernel.is_alive():
-            message += " (the code ignored the interrupt: its kernel was killed, and restarted for the next cell)"
+            message += " (the kernel did not stop at the interrupt: it was killed, and restarted for the next cell)"
         self.override = (TIMEOUT, message, traceback)
         raise Stopped(self.override[1])
 
