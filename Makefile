@@ -19,10 +19,12 @@ notebooks: $(STAMP)
 	$(PY) -m a4.course verify-notebooks
 
 # The book's source root is the repository root (see book/_config.yml); notebooks run against the reference
-# solutions, widgets fall back to static figures, and a failing cell or any warning fails the build.
+# solutions, widgets fall back to static figures, and a failing cell or any warning fails the build. Then the
+# tests of the built pages (tables, offline math, page 08's figures), which need this fresh build.
 book: $(STAMP)
 	A4_SOLUTIONS=1 A4_STATIC=1 $(VENV)/bin/jupyter-book build . --config book/_config.yml --toc book/_toc.yml \
 		--path-output book --all -W -n --keep-going
+	A4_SOLUTIONS=1 A4_BOOK_HTML=book/_build/html $(PY) -m pytest -q tests/test_book.py
 
 # Grade a student's handout with this repository's notebooks and check code, against the student's exercise files
 # only: make grade STUDENT=../their-handout (default: this checkout's skeleton); GRADE_ARGS="--notebook 01" for one.

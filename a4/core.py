@@ -7,6 +7,7 @@ plus the pools the layers read and write.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
@@ -17,15 +18,53 @@ if TYPE_CHECKING:
     from a4.kvcache.state_pool import StatePool
 
 
+FinishReason = Literal["eos", "length", "error", "abort"]
+
+
 @dataclass(frozen=True)
 class SamplingParams:
+    """How one request is continued, checked on construction (a bad value is an error naming its field)."""
+
     max_new_tokens: int = 16
-    # temperature 0 means greedy (argmax), the mode every check against transformers uses.
+    # temperature 0 means greedy (argmax), the mode every check against transformers uses. A positive temperature
+    # too small for its scaled logits to stay finite is the limit T -> 0 of sampling, greedy (see sampling.py).
     temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
+    top_k: int = 0  # 0: no top-k cut
+    top_p: float = 1.0  # 1: no nucleus cut
     seed: int | None = None
     ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        _check_int("max_new_tokens", self.max_new_tokens, low=1)
+        _check_real("temperature", self.temperature)
+        if self.temperature < 0:
+            raise ValueError(f"SamplingParams.temperature must be >= 0 (0 is greedy), got {self.temperature!r}")
+        _check_int("top_k", self.top_k, low=0)
+        _check_real("top_p", self.top_p)
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p!r}")
+        if self.seed is not None:
+            # torch.Generator.manual_seed takes seeds in [0, 2**64), but negative ones wrap around: a seed beyond
+            # int64 is more likely a mistake than a choice.
+            _check_int("seed", self.seed, low=0, high=2**63 - 1)
+        if not isinstance(self.ignore_eos, bool):
+            raise TypeError(f"SamplingParams.ignore_eos must be True or False, got {self.ignore_eos!r}")
+
+
+def _check_int(name: str, value: object, *, low: int, high: int | None = None) -> None:
+    # bool is an int in Python, but True tokens or True top_k are always a mistake.
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"SamplingParams.{name} must be an integer, got {value!r} ({type(value).__name__})")
+    if value < low or (high is not None and value > high):
+        bounds = f">= {low}" if high is None else f"in [{low}, {high}]"
+        raise ValueError(f"SamplingParams.{name} must be {bounds}, got {value}")
+
+
+def _check_real(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"SamplingParams.{name} must be a number, got {value!r} ({type(value).__name__})")
+    if not math.isfinite(value):
+        raise ValueError(f"SamplingParams.{name} must be finite, got {value!r}")
 
 
 @dataclass
@@ -38,13 +77,17 @@ class Req:
     # Row of the request-slot table (req_to_token) and of the state pool; -1 until admitted.
     table_idx: int = -1
     cached_len: int = 0
+    # Positions [0, kv_allocated_len) have KV locations in the request's row, on whole pages. A step allocates before
+    # its forward, so this runs ahead of cached_len until the step is booked: what an aborted request gives back.
+    kv_allocated_len: int = 0
     # Prompt tokens that came from the prefix cache (reported in Output.cached_tokens).
     prefix_hit_len: int = 0
     output_ids: list[int] = field(default_factory=list)
     cache_handle: object | None = None
     finished: bool = False
-    # Why it finished: "eos", "length" or "error" (then `error` says what is wrong); None while it runs.
-    finish_reason: Literal["eos", "length", "error"] | None = None
+    # Why it finished: "eos", "length", "error" (then `error` says what is wrong) or "abort" (an exception stopped
+    # the step or the call that ran it, or the caller aborted it: `error` says which); None while it runs.
+    finish_reason: FinishReason | None = None
     error: str | None = None
 
     @property
@@ -105,5 +148,5 @@ class Output:
     token_ids: list[int]
     # Prompt tokens served from the prefix cache instead of being prefilled.
     cached_tokens: int
-    finish_reason: Literal["eos", "length", "error"]
+    finish_reason: FinishReason
     error: str | None = None

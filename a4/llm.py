@@ -9,8 +9,9 @@ All prompts are queued at once and the engine runs them with continuous batching
 outputs come back in prompt order. A bad prompt gets finish_reason "error" without disturbing the others.
 
 Memory: `memory_budget_bytes` is split between request slots (`max_running_requests` of them, fewer if they do not
-fit) and KV pages. For a hybrid model, whose slots also hold their Gated DeltaNet states, `state_fraction` (in
-(0, 1)) caps the slots' share of the budget instead, so that KV keeps the rest (a4/engine/hybrid_memory.py).
+fit beside the KV of one request of the model's full context) and KV pages. For a hybrid model, whose slots also
+hold their Gated DeltaNet states, `state_fraction` (in (0, 1)) caps the slots' share of the budget instead, so that
+KV keeps the rest (a4/engine/hybrid_memory.py).
 
 Prefix cache of a hybrid model (`enable_prefix_cache=True`): a hit must also restore the Gated DeltaNet state after
 exactly the hit's tokens. `hybrid_prefix_policy="checkpoint"` (the default) keeps up to `max_state_checkpoints` copies
@@ -25,7 +26,7 @@ from pathlib import Path
 import torch
 
 from a4.core import Output, Req, SamplingParams
-from a4.engine.engine import Engine, EngineConfig, EngineStats
+from a4.engine.engine import Engine, EngineConfig, EngineStats, check_sampling_params
 from a4.engine.memory_plan import MemoryLedger, MemoryPlan
 
 
@@ -76,17 +77,33 @@ class LLM:
     def generate(
         self, prompts: list[list[int]], sampling_params: SamplingParams | list[SamplingParams] | None = None
     ) -> list[Output]:
-        """Continue every prompt; one SamplingParams for all, or one per prompt (default: greedy, 16 tokens)."""
+        """Continue every prompt; one SamplingParams for all, or one per prompt (default: greedy, 16 tokens).
+
+        Every argument is checked before any prompt is queued. If an exception escapes (KeyboardInterrupt from an
+        interrupted cell included), every request of this call is aborted before it propagates: the engine is as if
+        the call had never been made, and the next call is served correctly.
+        """
         if not isinstance(prompts, (list, tuple)) or not all(isinstance(p, (list, tuple)) for p in prompts):
             raise ValueError("prompts must be a list of token-id lists, e.g. [[1, 2, 3]]")
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params] * len(prompts)
+        if not isinstance(sampling_params, (list, tuple)):
+            check_sampling_params(sampling_params)
         if len(sampling_params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(sampling_params)} SamplingParams")
-        reqs = [self.engine.add_request(prompt, params) for prompt, params in zip(prompts, sampling_params)]
-        self.engine.run(reqs)
+        for params in sampling_params:
+            check_sampling_params(params)
+        reqs = []
+        try:
+            for prompt, params in zip(prompts, sampling_params):
+                reqs.append(self.engine.add_request(prompt, params))
+            self.engine.run(reqs)
+        except BaseException:
+            for req in reqs:
+                self.engine.abort_req(req, "generate() raised before this request finished")
+            raise
         return [_output(req) for req in reqs]
 
 

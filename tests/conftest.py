@@ -1,5 +1,5 @@
-"""Shared test setup: one torch thread per worker, the cached tiny checkpoints as fixtures, and failures caused by an
-unwritten exercise reported as such.
+"""Shared test setup: one torch thread per worker, the hypothesis profile, the cached tiny checkpoints as fixtures, and
+failures caused by an unwritten exercise reported as such.
 
 On a student's own code (A4_SOLUTIONS unset) a test that reaches an exercise still raising its NotImplementedError
 fails with one line, `exercise <id> not written yet: ...`, instead of a traceback, and the summary lists the
@@ -10,6 +10,7 @@ from collections import Counter
 
 import pytest
 import torch
+from hypothesis import settings
 
 from a4.checkpoints import tiny_checkpoint
 from a4.course.exercises import exercise_named_in, not_written_yet, unwritten_exercise
@@ -19,6 +20,12 @@ from a4.course.exercises import exercise_named_in, not_written_yet, unwritten_ex
 torch.set_num_threads(1)
 
 NOT_WRITTEN = "exercise-not-written"  # the user property that carries the exercise's message to the summary
+
+# Property tests (tests/test_properties_*.py) must be reproducible and fast in CI: the same examples on every run
+# and machine (derandomize, no example database), a bounded number of them, and no per-example deadline (two
+# workers on two shared cores make timings meaningless).
+settings.register_profile("a4", derandomize=True, database=None, max_examples=100, deadline=None, print_blob=True)
+settings.load_profile("a4")
 
 
 @pytest.fixture(scope="session")

@@ -9,7 +9,15 @@ import torch
 import transformers
 from safetensors import safe_open
 
-from a4.checkpoints import CheckpointError, make_checkpoint, preset_config, preset_generation_config, tiny_checkpoint
+import a4.checkpoints as checkpoints
+from a4.checkpoints import (
+    CheckpointError,
+    CheckpointQualityError,
+    make_checkpoint,
+    preset_config,
+    preset_generation_config,
+    tiny_checkpoint,
+)
 from a4.reference import hf_greedy
 
 ARCHS = ["qwen3", "qwen3_5", "qwen3_5_moe"]
@@ -262,3 +270,98 @@ def test_real_presets_match_published_configs(arch, preset):
     if arch == "qwen3_5_moe":
         moe = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size")
         assert tuple(t[k] for k in moe) == (256, 8, 512, 512)
+
+
+# The text_config of transformers' own Qwen3.5 tests (tests/models/qwen3_5/test_modeling_qwen3_5.py).
+TRANSFORMERS_TEST_SHAPE = dict(
+    vocab_size=99,
+    hidden_size=32,
+    intermediate_size=37,
+    head_dim=32,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    layer_types=["full_attention", "linear_attention"],
+    linear_num_key_heads=4,
+    linear_num_value_heads=8,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    linear_conv_kernel_dim=2,
+    max_position_embeddings=512,
+    tie_word_embeddings=True,
+    rope_parameters={
+        "rope_type": "default", "rope_theta": 10_000, "mrope_section": [2, 1, 1], "mrope_interleaved": True,
+    },
+)
+
+
+def assert_varied(model_dir: Path, vocab: int) -> None:
+    """Greedy continuations of random prompts in transformers: at least 40% distinct tokens each."""
+    prompts = torch.randint(0, vocab, (3, 6), generator=torch.Generator().manual_seed(7)).tolist()
+    for out in hf_greedy(model_dir, prompts, max_new_tokens=10):
+        assert len(set(out)) >= 0.4 * len(out), out
+
+
+# The first seed of each case gives a model that repeats itself (on the machines measured: distinct fraction 0.3
+# for seed 2 at vocabulary 1024, 0.2 for seed 3 at 99): the factory must move on to the next seed, not fail.
+@pytest.mark.parametrize(("seed", "vocab_size"), [(2, 1024), (3, 99), (0, 99)])
+def test_transformers_test_shape_gets_a_checkpoint(tmp_path, seed, vocab_size):
+    shape = TRANSFORMERS_TEST_SHAPE | {"vocab_size": vocab_size}
+    model_dir = make_checkpoint(tmp_path / "hf_test", "qwen3_5", seed=seed, **shape)
+    config = json.loads((model_dir / "config.json").read_text())
+    text = config["text_config"]
+    plain = {k: v for k, v in shape.items() if k != "rope_parameters"}
+    assert {k: text[k] for k in plain} == plain
+    # The rope override is merged into the preset's: transformers' default partial_rotary_factor (0.25) is kept.
+    assert text["rope_parameters"] == {**shape["rope_parameters"], "partial_rotary_factor": 0.25}
+    assert_loads_completely(model_dir)
+    assert_varied(model_dir, vocab_size)
+
+
+def test_special_token_ids_follow_a_smaller_vocabulary(tmp_path):
+    model_dir = make_checkpoint(tmp_path / "small", "qwen3_5", vocab_size=99, verify=False)
+    config = json.loads((model_dir / "config.json").read_text())
+    generation = json.loads((model_dir / "generation_config.json").read_text())
+    preset, preset_generation = preset_config("qwen3_5", "tiny"), preset_generation_config("qwen3_5", "tiny")
+    shift = 99 - preset["text_config"]["vocab_size"]
+    assert generation["eos_token_id"] == [i + shift for i in preset_generation["eos_token_id"]]
+    assert config["text_config"]["eos_token_id"] == preset["text_config"]["eos_token_id"] + shift
+    assert config["image_token_id"] == preset["image_token_id"] + shift
+    assert all(0 <= i < 99 for i in generation["eos_token_id"] + [config["vision_end_token_id"]])
+    with pytest.raises(CheckpointError, match="vocab_size 10 .* special token"):
+        make_checkpoint(tmp_path / "tiny_vocab", "qwen3_5", vocab_size=10, verify=False)
+
+
+def test_next_seed_when_the_first_repeats_itself(tmp_path, monkeypatch):
+    """The quality check is faked to fail once: the weights are seed 1's, the same as asking for seed 1."""
+    real = checkpoints.measure_quality
+    calls = []
+
+    def fails_once(model_dir):
+        calls.append(model_dir)
+        return checkpoints.QualityReport(0.1, 0.5) if len(calls) == 1 else real(model_dir)
+
+    monkeypatch.setattr(checkpoints, "measure_quality", fails_once)
+    retried = make_checkpoint(tmp_path / "retried", "qwen3", seed=0)
+    assert len(calls) == 2
+    seed_one = make_checkpoint(tmp_path / "seed_one", "qwen3", seed=1, verify=False)
+    assert read_tensors(retried).keys() == read_tensors(seed_one).keys()
+    assert all(torch.equal(t, read_tensors(seed_one)[name]) for name, t in read_tensors(retried).items())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["retried", "seed_one"]
+
+
+def test_when_no_seed_passes_the_error_says_what_to_do(tmp_path, monkeypatch):
+    monkeypatch.setattr(checkpoints, "measure_quality", lambda model_dir: checkpoints.QualityReport(0.3, 0.5))
+    with pytest.raises(CheckpointQualityError) as err:
+        make_checkpoint(tmp_path / "never", "qwen3", seed=5)
+    message = str(err.value)
+    last = 5 + checkpoints.QUALITY_SEED_TRIES - 1
+    assert f"seed {last}: distinct fraction 0.3" in message
+    assert f"seed={last + 1}" in message and "verify=False" in message
+    assert list(tmp_path.iterdir()) == []  # nothing half-written left behind
+
+
+def test_cache_is_keyed_by_verify(tmp_path, monkeypatch):
+    """Verified weights may come from a later seed: they must not be served to a caller who skipped the check."""
+    monkeypatch.setenv("A4_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(checkpoints, "measure_quality", lambda model_dir: checkpoints.QualityReport(1.0, 0.5))
+    assert make_checkpoint(None, "qwen3", verify=False) != make_checkpoint(None, "qwen3", verify=True)

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
+import re
 
 import pytest
 import torch
@@ -125,3 +127,105 @@ def test_config_errors_check_rejects_a_parser_that_accepts_everything(monkeypatc
     monkeypatch.setattr(module, "parse_config", lambda raw: None)
     with pytest.raises(CheckFailed, match="accepted; expected a ConfigError"):
         module.check_config_errors()
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_5"])
+def test_architectures_given_as_a_string_is_named(arch: str) -> None:
+    raw = preset_config(arch, "tiny")
+    raw["architectures"] = raw["architectures"][0]
+    with pytest.raises(ConfigError, match=rf"architectures must be a list .*got '{raw['architectures']}'"):
+        parse_config(raw)
+
+
+# (field, a wrong value): each would otherwise be converted without a word ("64" -> 64, 64.5 -> 64, True -> 1,
+# "false" -> tied) or fail deep inside a parser with a message that names no field.
+WRONG_VALUES = [
+    ("hidden_size", "64"),
+    ("hidden_size", 64.5),
+    ("num_attention_heads", True),
+    ("num_hidden_layers", 0),
+    ("vocab_size", -1024),
+    ("max_position_embeddings", [4096]),
+    ("rms_norm_eps", "1e-6"),
+    ("rms_norm_eps", float("nan")),
+    ("tie_word_embeddings", "false"),
+    ("eos_token_id", "1000"),
+    ("eos_token_id", [1000, None]),
+    ("layer_types", "full_attention"),
+]
+
+
+def with_field(arch: str, field: str, value) -> dict:
+    """The tiny preset's config.json with `field` set where the parser reads it (Qwen3.5: text_config, but the tie
+    flag at the top level)."""
+    raw = preset_config(arch, "tiny")
+    section = raw if arch == "qwen3" or field == "tie_word_embeddings" else raw["text_config"]
+    section[field] = value
+    return raw
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_5", "qwen3_5_moe"])
+@pytest.mark.parametrize(("field", "value"), WRONG_VALUES, ids=[f"{f}={v!r}" for f, v in WRONG_VALUES])
+def test_a_field_of_the_wrong_type_is_named(arch: str, field: str, value) -> None:
+    with pytest.raises(ConfigError, match=rf"{field} must be .*got {re.escape(repr(value))}"):
+        parse_config(with_field(arch, field, value))
+
+
+@pytest.mark.parametrize(("field", "value"), [("rope_theta", "1e7"), ("partial_rotary_factor", 1.5)])
+def test_a_rope_parameter_of_the_wrong_type_is_named(field: str, value) -> None:
+    raw = preset_config("qwen3_5", "tiny")
+    raw["text_config"]["rope_parameters"][field] = value
+    with pytest.raises(ConfigError, match=rf"text_config rope_parameters: {field} must be"):
+        parse_config(raw)
+
+
+def test_a_null_required_field_is_missing() -> None:
+    raw = with_field("qwen3", "vocab_size", None)
+    with pytest.raises(ConfigError, match="missing required field 'vocab_size'"):
+        parse_config(raw)
+
+
+def test_generation_config_eos_of_the_wrong_type_is_named(tmp_path) -> None:
+    import shutil
+
+    model_dir = shutil.copytree(tiny_checkpoint("qwen3"), tmp_path / "ckpt")
+    generation = json.loads((model_dir / "generation_config.json").read_text())
+    (model_dir / "generation_config.json").write_text(json.dumps({**generation, "eos_token_id": ["1002"]}))
+    with pytest.raises(ConfigError, match="generation_config.json: eos_token_id must be"):
+        load_model_config(model_dir)
+
+
+# Qwen3 files whose layers transformers' Qwen3Config runs as it says; a4's Qwen3 runs full attention only.
+QWEN3_LAYER_CASES = {
+    "layer_types listed, all full attention": dict(layer_types=["full_attention"] * 4),
+    "layer_types listed, sliding window from layer 2": dict(
+        layer_types=["full_attention"] * 2 + ["sliding_attention"] * 2, use_sliding_window=True
+    ),
+    "layer_types listed, a linear attention layer": dict(layer_types=["full_attention"] * 3 + ["linear_attention"]),
+    "use_sliding_window from layer 2": dict(use_sliding_window=True, sliding_window=64, max_window_layers=2),
+    "use_sliding_window, max_window_layers past the last layer": dict(
+        use_sliding_window=True, sliding_window=64, max_window_layers=4
+    ),
+    "sliding_window set but use_sliding_window off": dict(use_sliding_window=False, sliding_window=64),
+}
+
+
+@pytest.mark.parametrize("label", list(QWEN3_LAYER_CASES))
+def test_qwen3_layer_types_are_read_not_ignored(label: str) -> None:
+    """a4 parses a Qwen3 file exactly when transformers would run every layer with full attention."""
+    from transformers import Qwen3Config
+
+    raw = preset_config("qwen3", "tiny") | QWEN3_LAYER_CASES[label]
+    hf_layer_types = tuple(Qwen3Config(**copy.deepcopy(raw)).layer_types)
+    if set(hf_layer_types) == {"full_attention"}:
+        assert parse_config(raw).layer_types == hf_layer_types
+    else:
+        first = next(i for i, kind in enumerate(hf_layer_types) if kind != "full_attention")
+        with pytest.raises(ConfigError, match=rf"layer {first} is '{hf_layer_types[first]}'.*full attention only"):
+            parse_config(raw)
+
+
+def test_qwen3_layer_types_of_the_wrong_length() -> None:
+    raw = preset_config("qwen3", "tiny") | dict(layer_types=["full_attention"] * 3)
+    with pytest.raises(ConfigError, match="layer_types has 3 entries but num_hidden_layers is 4"):
+        parse_config(raw)

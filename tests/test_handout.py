@@ -18,7 +18,7 @@ from a4._overlay import REPO_ROOT
 from a4.course.exercises import all_exercises
 from a4.course.grade import REQUIRED_CHECKS
 from a4.course.notebooks import check_cells, read_notebook
-from a4.course.release import HANDOUT_DIR, INSTRUCTOR_TESTS
+from a4.course.release import HANDOUT_DIR, STUDENT_TESTS
 
 
 @pytest.fixture(scope="module")
@@ -33,8 +33,7 @@ def test_release_writes_the_students_files(handout: Path) -> None:
     assert (handout / ".ci/run").read_text().rstrip().endswith("make test")
     skeleton = "a4/models/qwen3_5_config.py"
     assert (handout / skeleton).read_text() == (REPO_ROOT / skeleton).read_text()
-    shipped = {path.name for path in (handout / "tests").iterdir()}
-    assert shipped and not shipped & INSTRUCTOR_TESTS
+    assert {path.name for path in (handout / "tests").iterdir()} == STUDENT_TESTS
     assert 'execute_notebooks: "off"' in (handout / "book/_config.yml").read_text()
     for path in (handout / "notebooks").glob("*.ipynb"):
         for cell in read_notebook(path).cells:

@@ -6,6 +6,8 @@ the real Qwen3.5 configs; generated tokens are compared with transformers' greed
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -43,15 +45,25 @@ def costs(raw: dict, dtype: torch.dtype) -> dict[str, int]:
     }
 
 
+# The plan gives slots beyond the first only beside the KV of one request of the model's full context. A context of
+# 16 tokens lets budgets of a few slots and a few dozen tokens hold several slots, and three requests of a dozen
+# tokens fill them.
+CONTEXT = 16
+
+
 @pytest.fixture(scope="module")
 def ckpt():
-    return tiny_checkpoint("qwen3_5")
+    return tiny_checkpoint("qwen3_5", max_position_embeddings=CONTEXT)
 
 
 @pytest.fixture(scope="module")
 def tiny(ckpt):
     """(ModelConfig, costs in float32) of the tiny checkpoint."""
-    return load_model_config(ckpt), costs(preset_config("qwen3_5", "tiny"), torch.float32)
+    return load_model_config(ckpt), costs(read_config(ckpt), torch.float32)
+
+
+def read_config(ckpt) -> dict:
+    return json.loads((ckpt / "config.json").read_text())
 
 
 # ---------------------------------------------------------------------------------------------------------- ledger
@@ -113,16 +125,17 @@ def test_break_even_edge_cases():
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_slots_first_honours_max_running_requests_and_gives_the_rest_to_kv_pages(ckpt, dtype, page_size):
     config = load_model_config(ckpt)
-    c = costs(preset_config("qwen3_5", "tiny"), dtype)
+    c = costs(read_config(ckpt), dtype)
     slot, page = c["table"] + c["state"], page_size * c["kv"]
     budget = 5 * slot + 123 * page + 17
     plan = plan_hybrid_memory(config, budget_bytes=budget, page_size=page_size, dtype=dtype, max_running_requests=5)
     assert (plan.max_running_requests, plan.num_pages) == (5, 123)
     assert plan.used_bytes == 5 * slot + 123 * page <= budget < plan.used_bytes + page
-    # Fewer slots when the budget cannot hold the ones asked for beside one page.
-    few = plan_hybrid_memory(config, budget_bytes=3 * slot + page, page_size=page_size, dtype=dtype,
+    # Fewer slots when the budget cannot hold the ones asked for beside the KV of one full-length request.
+    context_pages = max(CONTEXT // page_size, 1)
+    few = plan_hybrid_memory(config, budget_bytes=3 * slot + context_pages * page, page_size=page_size, dtype=dtype,
                              max_running_requests=8)
-    assert (few.max_running_requests, few.num_pages) == (3, 1)
+    assert (few.max_running_requests, few.num_pages) == (3, context_pages)
 
 
 @pytest.mark.parametrize("fraction", [0.1, 0.5, 0.9])
@@ -220,15 +233,41 @@ def test_engine_pools_hold_kv_for_full_attention_only_and_fit_the_budget(
     engine = LLM(ckpt, memory_budget_bytes=budget, max_running_requests=max_running_requests, page_size=page_size,
                  state_fraction=fraction, max_state_checkpoints=checkpoints).engine
     rest = budget - checkpoints * c["state"]
-    slots = min(max_running_requests, (rest - page) // slot)
+    # As many slots as asked, within the share, and beside the KV of one full-length request.
+    slots = min(max_running_requests, (rest - CONTEXT * c["kv"]) // slot)
     if fraction is not None:
         slots = min(slots, int(rest * fraction) // slot)
-    raw = preset_config("qwen3_5", "tiny")["text_config"]
+    raw = read_config(ckpt)["text_config"]
     assert engine.memory_plan.checkpoint_bytes == checkpoints * c["state"]
     assert engine.kv_pool.num_layers == raw["layer_types"].count("full_attention")
     assert engine.table_manager.max_running_requests == engine.state_pool.conv_state(0).shape[0] == slots
     assert engine.kv_pool.num_pages == (rest - slots * slot) // page
     assert measured_pool_bytes(engine) + checkpoints * c["state"] <= budget
+
+
+@pytest.mark.parametrize("arch, policy", [("qwen3", "checkpoint"), ("qwen3_5", "checkpoint"), ("qwen3_5", "refuse")])
+@pytest.mark.parametrize("max_running_requests", [1, 3])
+def test_the_default_budget_gives_every_slot_a_full_context(arch, policy, max_running_requests):
+    """The default budget counts the state checkpoints too: with one slot they used to cut the context to 3,568."""
+    llm = LLM(tiny_checkpoint(arch), max_running_requests=max_running_requests, hybrid_prefix_policy=policy)
+    context = 4096  # max_position_embeddings of both tiny presets
+    assert llm.engine.max_context_len == context
+    assert llm.memory_plan.max_running_requests == max_running_requests
+    assert llm.memory_plan.num_tokens == max_running_requests * context
+
+
+def test_a_larger_budget_never_gives_the_engine_fewer_slots_or_a_shorter_context(ckpt, tiny):
+    """Budgets from one slot and one page to four slots beside a full context, state checkpoints set aside first."""
+    _, c = tiny
+    slot = c["table"] + c["state"]
+    seen = []
+    for step in range(14):
+        budget = 2 * c["state"] + slot + 4 * c["kv"] + step * (slot // 3)
+        engine = LLM(ckpt, memory_budget_bytes=budget, max_running_requests=4, page_size=4,
+                     max_state_checkpoints=2).engine
+        seen.append((engine.table_manager.max_running_requests, engine.max_context_len))
+    assert seen == sorted(seen) and seen[0] == (1, 4) and seen[-1] == (4, CONTEXT), seen
+    assert all(context == CONTEXT for slots, context in seen if slots > 1), seen
 
 
 def test_hybrid_slots_first_needs_no_notebook_06_exercise():

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from a4 import LLM, SamplingParams
+from a4.checkpoints import tiny_checkpoint
 from a4.course.checks import CheckFailed
 from a4.course.checks import radix as checks
 from a4.course.checks.state_pool import expected_bytes_per_slot, read_config
@@ -149,7 +150,9 @@ def float32_figures(ckpt) -> tuple[int, int, int]:
 
 def test_memory_plan_sets_the_checkpoints_aside(ckpt):
     state, slot, kv_per_token = float32_figures(ckpt)
-    budget = 40 * state + 3 * slot + 500 * kv_per_token
+    # Three slots beside the KV of a full-length request (the plan's condition for a second slot) and 500 tokens.
+    context = read_config(ckpt)["text_config"]["max_position_embeddings"]
+    budget = 40 * state + 3 * slot + (context + 500) * kv_per_token
     llm = LLM(ckpt, memory_budget_bytes=budget, max_running_requests=3, max_state_checkpoints=10)
     plan = llm.memory_plan
     assert plan.budget_bytes == budget and plan.checkpoint_bytes == 10 * state
@@ -170,13 +173,15 @@ def test_a_budget_too_small_for_the_checkpoints_names_them(ckpt):
         LLM(ckpt, memory_budget_bytes=16 * state)
 
 
-def test_hits_under_kv_pressure_land_on_stored_checkpoints(ckpt):
-    """A KV pool of 250 tokens for four conversations that end with ~350 distinct tokens: KV and its checkpoints
-    are evicted."""
+def test_hits_under_kv_pressure_land_on_stored_checkpoints():
+    """A KV pool of 256 tokens for four conversations that end with ~350 distinct tokens: KV and its checkpoints
+    are evicted. The model accepts 256 tokens, so that four slots fit beside one full-length request's KV."""
+    ckpt = tiny_checkpoint("qwen3_5", max_position_embeddings=256)
     workload = checks.chat_workload(ckpt, conversations=4, turns=4, staggered=False)
     state, slot, kv_per_token = float32_figures(ckpt)
-    budget = 16 * state + 4 * slot + 250 * kv_per_token
+    budget = 16 * state + 4 * slot + 256 * kv_per_token
     llm = LLM(ckpt, memory_budget_bytes=budget, max_running_requests=4)
+    assert llm.memory_plan.max_running_requests == 4
     played = checks.play_chat(llm, workload)
     reference = checks.reference_tokens(ckpt, [turn.prompt for turn in played])
     # The tokens a tree that evicted nothing would hold: the distinct prefixes of the conversations' last requests.

@@ -9,16 +9,20 @@ from __future__ import annotations
 
 import functools
 import json
+import re
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors import safe_open
+from safetensors.torch import save_file
 
 import a4.models.weights
 from a4.checkpoints import tiny_checkpoint
 from a4.course.checks.weights import SKIPPED_GROUPS, check_weight_errors, key_group, transformers_name
 from a4.models.registry import load_model
+from a4.models.weights import WeightLoadError
 from a4.reference import cached_hf_model
 
 
@@ -117,3 +121,48 @@ def test_skipped_tensors_are_never_read(checkpoint, monkeypatch):
 def test_broken_checkpoints_raise_naming_the_tensor():
     # A missing, a mis-shaped, and two unexpected tensors (one inside the language model, one in no known group).
     check_weight_errors(tiny_checkpoint("qwen3_5"))
+
+
+def with_tensor(source: Path, target: Path, key: str, edit) -> Path:
+    """A copy of the sharded checkpoint `source` whose tensor `key` is edit(tensor), rewritten in its own shard."""
+    shutil.copytree(source, target)
+    shard = target / json.loads((target / "model.safetensors.index.json").read_text())["weight_map"][key]
+    with safe_open(shard, framework="pt") as f:
+        tensors = {name: f.get_tensor(name) for name in f.keys()}
+    tensors[key] = edit(tensors[key])
+    save_file(tensors, shard, metadata={"format": "pt"})
+    return target
+
+
+def with_nan(tensor: torch.Tensor) -> torch.Tensor:
+    tensor = tensor.clone()
+    tensor.view(-1)[0] = float("nan")
+    return tensor
+
+
+A_LOG = "model.language_model.layers.0.linear_attn.A_log"
+
+
+def test_integer_weight_is_named_by_its_checkpoint_key(tmp_path):
+    broken = with_tensor(tiny_checkpoint("qwen3_5"), tmp_path / "int", A_LOG, lambda t: t.to(torch.int32))
+    with pytest.raises(WeightLoadError, match=rf"wrong dtype: {re.escape(A_LOG)} is I32 in model-\d+-of-\d+"):
+        load_model(broken, dtype=torch.float32, device="cpu", progress=False)
+
+
+def test_non_finite_weight_is_named_and_a_skipped_one_is_never_read(tmp_path):
+    source = tiny_checkpoint("qwen3_5")
+    vision = next(key for key in checkpoint_keys(source) if key_group(key) == "vision encoder")
+    # A NaN in the vision encoder, which a4 skips without reading it, changes nothing.
+    skipped = with_tensor(source, tmp_path / "vision", vision, with_nan)
+    load_model(skipped, dtype=torch.float32, device="cpu", progress=False)
+    broken = with_tensor(source, tmp_path / "a_log", A_LOG, with_nan)
+    with pytest.raises(WeightLoadError, match=rf"non-finite: {re.escape(A_LOG)} has 1 NaN or infinite value"):
+        load_model(broken, dtype=torch.float32, device="cpu", progress=False)
+
+
+def test_truncated_shard_is_named(tmp_path):
+    broken = shutil.copytree(tiny_checkpoint("qwen3_5"), tmp_path / "truncated")
+    shard = sorted(broken.glob("*.safetensors"))[-1]
+    shard.write_bytes(shard.read_bytes()[:-1])
+    with pytest.raises(WeightLoadError, match=rf"{shard.name}: not a complete safetensors file"):
+        load_model(broken, dtype=torch.float32, device="cpu", progress=False)

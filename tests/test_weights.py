@@ -7,6 +7,7 @@ covered too).
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -186,3 +187,112 @@ def test_unknown_architecture_and_dtype(checkpoint, tmp_path):
         load_model(other, dtype="float32", device="cpu", progress=False)
     with pytest.raises(ValueError, match="float8"):
         load_model(checkpoint, dtype="float8", device="cpu", progress=False)
+
+
+def load_qwen3(model_dir: Path) -> None:
+    load_weights(fresh_model(model_dir), model_dir, device="cpu", dtype=torch.float32, progress=False)
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.uint8, torch.bool])
+def test_integer_or_bool_tensor_is_an_error_naming_it(checkpoint, tmp_path, dtype):
+    """A weight stored as integers would load (cast to float) and make the model emit token 0 for ever."""
+    tensors = read_all(checkpoint)
+    key = "model.layers.1.self_attn.q_proj.weight"
+    tensors[key] = torch.ones_like(tensors[key], dtype=dtype)
+    broken = rewritten(checkpoint, tmp_path / "integer", tensors)
+    with pytest.raises(WeightLoadError, match=re.escape(f"wrong dtype: {key} is ") + r"\w+ in model\.safetensors"):
+        load_qwen3(broken)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])
+def test_non_finite_weights_are_an_error_naming_the_tensor(checkpoint, tmp_path, value):
+    tensors = read_all(checkpoint)
+    key = "model.layers.2.mlp.down_proj.weight"
+    tensors[key] = tensors[key].clone()
+    tensors[key][3, 5] = value
+    tensors["model.norm.weight"] = tensors["model.norm.weight"].clone()
+    tensors["model.norm.weight"][0] = value
+    broken = rewritten(checkpoint, tmp_path / "non_finite", tensors)
+    with pytest.raises(WeightLoadError) as err:
+        load_qwen3(broken)
+    message = str(err.value)
+    assert f"non-finite: {key} has 1 NaN or infinite value(s) of {tensors[key].numel()}" in message
+    assert "non-finite: model.norm.weight has 1 NaN or infinite" in message
+
+
+def sharded_copy(source: Path, target: Path) -> Path:
+    shutil.copytree(source, target)
+    return target
+
+
+@pytest.mark.parametrize("kept_bytes", [0, 5, 100, -1])
+def test_truncated_or_empty_shard_names_the_file(checkpoint, tmp_path, kept_bytes):
+    broken = sharded_copy(checkpoint, tmp_path / "truncated")
+    shard = sorted(broken.glob("*.safetensors"))[1]
+    data = shard.read_bytes()
+    shard.write_bytes(data[: kept_bytes % len(data)])
+    with pytest.raises(WeightLoadError, match=rf"{shard.name}: not a complete safetensors file .*incomplete download"):
+        load_model(broken, dtype="float32", device="cpu", progress=False)
+
+
+def test_truncated_single_file_names_the_file(checkpoint, tmp_path):
+    single = rewritten(checkpoint, tmp_path / "single", read_all(checkpoint))
+    path = single / "model.safetensors"
+    path.write_bytes(path.read_bytes()[:-10])
+    with pytest.raises(WeightLoadError, match=r"model\.safetensors: not a complete safetensors file"):
+        load_model(single, dtype="float32", device="cpu", progress=False)
+
+
+def edit_index(model_dir: Path, edit) -> None:
+    path = model_dir / "model.safetensors.index.json"
+    path.write_text(edit(path.read_text()))
+
+
+def with_weight_map(change):
+    def edit(text: str) -> str:
+        index = json.loads(text)
+        change(index["weight_map"])
+        return json.dumps(index)
+
+    return edit
+
+
+@pytest.mark.parametrize(
+    "label, edit, message",
+    [
+        ("not JSON", lambda text: text[: len(text) // 2], "model.safetensors.index.json: not valid JSON"),
+        ("a list", lambda text: "[]", "model.safetensors.index.json: expected a JSON object"),
+        ("no weight_map", lambda text: json.dumps({"metadata": {}}), "has no 'weight_map'"),
+        ("weight_map a list", lambda text: json.dumps({"weight_map": []}), "'weight_map' must map"),
+        (
+            "a key in the wrong shard",
+            with_weight_map(lambda m: m.update({"model.norm.weight": sorted(set(m.values()))[0]})),
+            r"not in file: model\.norm\.weight \(model\.safetensors\.index\.json maps it to model-00001-of-",
+        ),
+        (
+            "a shard that does not exist",
+            with_weight_map(lambda m: m.update({"model.norm.weight": "model-00003-of-00002.safetensors"})),
+            r"model-00003-of-00002\.safetensors: no such file \(model\.safetensors\.index\.json lists it",
+        ),
+    ],
+)
+def test_broken_index_names_the_file_and_the_problem(checkpoint, tmp_path, label, edit, message):
+    broken = sharded_copy(checkpoint, tmp_path / "index")
+    edit_index(broken, edit)
+    with pytest.raises(WeightLoadError, match=message):
+        load_model(broken, dtype="float32", device="cpu", progress=False)
+
+
+# No machine holds data on "meta" or has a hundred GPUs.
+@pytest.mark.parametrize("device", ["meta", torch.device("meta"), "cuda:99"])
+def test_device_that_cannot_hold_the_weights_is_rejected_before_loading(checkpoint, device, monkeypatch):
+    from a4 import LLM
+
+    def no_read(*args, **kwargs):
+        raise AssertionError("the checkpoint was opened for a device that cannot hold it")
+
+    monkeypatch.setattr(weights, "safe_open", no_read)
+    with pytest.raises(ValueError, match=r"device '(meta|cuda:99)'"):
+        LLM(checkpoint, device=device)
+    with pytest.raises(ValueError, match=r"device '(meta|cuda:99)'"):
+        load_model(checkpoint, dtype="float32", device=device, progress=False)

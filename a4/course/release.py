@@ -2,7 +2,7 @@
 
 The files are those git would commit (tracked files plus untracked files that .gitignore does not exclude, so a
 release made before the latest commit still holds the latest work), except:
-- `solutions/`, and the tests that are the course's own (INSTRUCTOR_TESTS): the handout's `tests/` are the student's,
+- `solutions/`, and the tests that are the course's own: the handout's `tests/` are the student's (STUDENT_TESTS),
   run against their code by `make test`;
 - the files under `handout/`, which replace the files at the same paths: the student's Makefile, README and book
   intro, whose commands all work without solutions/;
@@ -25,26 +25,26 @@ from a4.course.exercises import SOLUTIONS_DIR
 
 HANDOUT_DIR = "handout"
 TESTS_DIR = "tests"
-# Files of tests/ that stay with the course: tests of its tooling (they need solutions/) and of the engine the student
-# is given. Every other file ships, and the handout tests run it on the skeleton and on the solved handout.
-INSTRUCTOR_TESTS = frozenset(
+# The student's tests, run by `make test` in the handout: the tests of the exercises, end to end through the engine,
+# and of the environment, with the modules they share. The other files of tests/ stay with the course: tests of its
+# tooling (they need solutions/), of the engine the student is given, of its robustness.
+STUDENT_TESTS = frozenset(
     {
-        "test_course.py",
-        "test_grade.py",
-        "test_handout.py",
-        "test_handout_solved.py",
-        "handout_commands.py",
-        "test_bench.py",
-        "test_checkpoints.py",
-        "test_cli.py",
-        "test_engine_qwen3.py",
-        "test_layers.py",
-        "test_memory_plan.py",
-        "test_qwen3_model.py",
-        "test_radix_cache.py",
-        "test_reference.py",
-        "test_scheduler.py",
-        "test_weights.py",
+        "conftest.py",
+        "helpers.py",
+        "layer_checks.py",
+        "model_checks.py",
+        "test_environment.py",
+        "test_config.py",
+        "test_qwen3_5_weights.py",
+        "test_gated_attention.py",
+        "test_deltanet.py",
+        "test_state_pool.py",
+        "test_hybrid_memory.py",
+        "test_hybrid_radix_cache.py",
+        "test_moe.py",
+        "test_qwen3_5_model.py",
+        "test_engine_qwen3_5.py",
     }
 )
 BOOK_CONFIG = Path("book/_config.yml")
@@ -72,7 +72,7 @@ def ships(path: Path) -> bool:
     """Whether a repository file goes into the handout as it is."""
     if path.parts[0] in (SOLUTIONS_DIR, HANDOUT_DIR):
         return False
-    return not (path.parts[0] == TESTS_DIR and path.name in INSTRUCTOR_TESTS)
+    return path.parts[0] != TESTS_DIR or path.name in STUDENT_TESTS
 
 
 def handout_files(repo: Path) -> list[Path]:

@@ -3,7 +3,9 @@
 `Engine(config)` loads the checkpoint, plans memory (memory_plan.py), creates the pools and the scheduler. Each
 `step()` asks the scheduler for a batch, turns it into a ForwardBatch (flat tensors of the step's new tokens and where
 their KV goes), runs the model, samples and hands the tokens back to the scheduler. `add_request` validates a
-request first: a bad one finishes at once with finish_reason "error" and never reaches the model.
+request first: a bad one finishes at once with finish_reason "error" and never reaches the model. A step that raises
+(an interrupted cell, a failing layer) aborts the requests it was running and leaves the engine clean for the next
+call; a request whose logits cannot be sampled finishes alone with an error.
 
 Hybrid models (config.is_hybrid, Qwen3.5) also keep a StatePool (notebook 05): the Gated DeltaNet states of every
 request slot, indexed like `req_to_token` by the slot (`ForwardBatch.req_slots`). Its per-slot bytes go into the
@@ -17,7 +19,11 @@ aside in the memory plan (`_checkpoint_bytes`); "refuse" never reuses a prefix.
 from __future__ import annotations
 
 import operator
+import signal
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -29,7 +35,7 @@ from a4.engine.sampling import Sampler
 from a4.kvcache.allocator import PageAllocator
 from a4.kvcache.kv_pool import KVPool
 from a4.kvcache.radix_cache import BasePrefixCache, NoPrefixCache, RadixCache
-from a4.models.registry import load_model
+from a4.models.registry import load_model, usable_device
 from a4.scheduler.cache import CacheManager
 from a4.scheduler.scheduler import Scheduler
 from a4.scheduler.table import TableManager
@@ -66,22 +72,19 @@ class EngineConfig:
             raise ValueError(f"model_dir {str(self.model_dir)!r} is not a directory")
         if self.dtype not in DTYPES and self.dtype not in DTYPES.values():
             raise ValueError(f"unknown dtype {self.dtype!r} (expected one of {sorted(DTYPES)})")
-        try:
-            device = torch.device(self.device)
-        except (RuntimeError, TypeError) as e:
-            raise ValueError(f"unknown device {self.device!r} ({e})") from None
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError(f"device {self.device!r}: CUDA is not available")
+        usable_device(self.device)
         for name in ("max_running_requests", "max_prefill_tokens", "page_size"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
+            if not _is_int(value) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.memory_budget_bytes is not None and (
-            not isinstance(self.memory_budget_bytes, int) or self.memory_budget_bytes <= 0
+            not _is_int(self.memory_budget_bytes) or self.memory_budget_bytes <= 0
         ):
             raise ValueError(
                 f"memory_budget_bytes must be a positive integer or None, got {self.memory_budget_bytes!r}"
             )
+        if not isinstance(self.enable_prefix_cache, bool):
+            raise ValueError(f"enable_prefix_cache must be True or False, got {self.enable_prefix_cache!r}")
         if self.state_fraction is not None and (
             isinstance(self.state_fraction, bool)
             or not isinstance(self.state_fraction, (int, float))
@@ -93,7 +96,7 @@ class EngineConfig:
                 f"unknown hybrid_prefix_policy {self.hybrid_prefix_policy!r} (expected one of {HYBRID_PREFIX_POLICIES})"
             )
         checkpoints = self.max_state_checkpoints
-        if isinstance(checkpoints, bool) or not isinstance(checkpoints, int) or checkpoints < 0:
+        if not _is_int(checkpoints) or checkpoints < 0:
             raise ValueError(f"max_state_checkpoints must be a non-negative integer, got {checkpoints!r}")
 
     @property
@@ -103,6 +106,40 @@ class EngineConfig:
     @property
     def torch_device(self) -> torch.device:
         return torch.device(self.device)
+
+
+@contextmanager
+def _sigint_deferred() -> Iterator[None]:
+    """Hold Ctrl-C (Kernel -> Interrupt) until the block is done, then raise it.
+
+    Booking a step moves pages between a request and the radix tree in several statements; an interrupt between two
+    of them would leave the two disagreeing on who owns a page. The forward, where nearly all the time goes, stays
+    interruptible. Signal handlers can only be set from the main thread; elsewhere nothing is deferred.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    received = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: received.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if received:
+        signal.raise_signal(signal.SIGINT)
+
+
+def _is_int(value: object) -> bool:
+    # bool is an int in Python, but `page_size=True` is a mistake, not 1.
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_sampling_params(params: object) -> None:
+    if not isinstance(params, SamplingParams):
+        raise TypeError(
+            f"expected a4.SamplingParams, got {type(params).__name__} {params!r}: "
+            "write SamplingParams(max_new_tokens=..., ...)"
+        )
 
 
 @dataclass
@@ -143,6 +180,12 @@ class Engine:
         page_size = config.page_size
         context = min(self.model_config.max_position_embeddings, self.memory_plan.num_tokens)
         self.max_context_len = context - context % page_size
+        if self.max_context_len == 0:
+            raise ValueError(
+                f"page_size {page_size} is larger than the longest context this engine can hold, {context} tokens "
+                f"(max_position_embeddings {self.model_config.max_position_embeddings}, KV pool "
+                f"{self.memory_plan.num_tokens} tokens): lower page_size or raise memory_budget_bytes"
+            )
         self._create_pools()
         self.table_manager = TableManager(self.memory_plan.max_running_requests, self.max_context_len, self.device)
         self.cache_manager = CacheManager(
@@ -161,10 +204,11 @@ class Engine:
     def _plan_memory(self) -> tuple[MemoryLedger, MemoryPlan]:
         """The model's ledger, and the split of the budget between state checkpoints, request slots and KV pages.
 
-        The prefix cache's state checkpoints, if it keeps any, are set aside first (`_checkpoint_bytes`); the rest
-        goes to slots first (`plan_memory`), or, for a hybrid model given a `state_fraction`, to slots capped at that
-        share of it (`plan_hybrid_memory`, notebook 06). A hybrid slot also holds its Gated DeltaNet states
-        (`StatePool.bytes_per_slot`, notebook 05), so serving Qwen3.5 with the defaults needs notebooks 01-05 only.
+        The prefix cache's state checkpoints, if it keeps any, are set aside first (`_checkpoint_bytes`; the default
+        budget adds them to what full contexts need); the rest goes to slots first (`plan_memory`), or, for a hybrid
+        model given a `state_fraction`, to slots capped at that share of it (`plan_hybrid_memory`, notebook 06). A
+        hybrid slot also holds its Gated DeltaNet states (`StatePool.bytes_per_slot`, notebook 05), so serving Qwen3.5
+        with the defaults needs notebooks 01-05 only.
         """
         config, model_config, dtype = self.config, self.model_config, self.config.torch_dtype
         state_bytes_per_slot = 0
@@ -180,13 +224,22 @@ class Engine:
                 f"{model_config.architecture} keeps no state per request"
             )
         ledger = MemoryLedger.from_config(model_config, dtype, state_bytes_per_slot=state_bytes_per_slot)
+        checkpoint_bytes = self._checkpoint_bytes(ledger)
         budget = config.memory_budget_bytes or default_budget_bytes(
             ledger,
             max_running_requests=config.max_running_requests,
             max_context_len=model_config.max_position_embeddings,
             device=self.device,
+            checkpoint_bytes=checkpoint_bytes,
         )
-        checkpoint_bytes = self._checkpoint_bytes(ledger, budget)
+        # What must remain beside the checkpoints: one request slot and one KV page, the smallest plan.
+        if checkpoint_bytes and budget - checkpoint_bytes < ledger.bytes_per_request(config.page_size):
+            raise MemoryPlanError(
+                f"max_state_checkpoints={config.max_state_checkpoints} state checkpoints take {checkpoint_bytes:,} B "
+                f"of the {budget:,} B memory budget, leaving less than one request slot and one KV page "
+                f"({ledger.bytes_per_request(config.page_size):,} B): lower max_state_checkpoints, raise "
+                f"memory_budget_bytes, or set hybrid_prefix_policy='refuse'"
+            )
         split = dict(
             budget_bytes=budget - checkpoint_bytes,
             page_size=config.page_size,
@@ -211,21 +264,11 @@ class Engine:
             config.enable_prefix_cache and self.model_config.is_hybrid and config.hybrid_prefix_policy == "checkpoint"
         )
 
-    def _checkpoint_bytes(self, ledger: MemoryLedger, budget: int) -> int:
+    def _checkpoint_bytes(self, ledger: MemoryLedger) -> int:
         """Bytes set aside for the prefix cache's state checkpoints (each one slot's state), before slots and pages."""
         if not self._keeps_state_checkpoints:
             return 0
-        count = self.config.max_state_checkpoints
-        checkpoint_bytes = count * ledger.state_bytes_per_slot
-        # What must remain: one request slot and one KV page, the smallest plan.
-        if budget - checkpoint_bytes < ledger.bytes_per_request(self.config.page_size):
-            raise MemoryPlanError(
-                f"max_state_checkpoints={count} state checkpoints take {checkpoint_bytes:,} B of the {budget:,} B "
-                f"memory budget, leaving less than one request slot and one KV page "
-                f"({ledger.bytes_per_request(self.config.page_size):,} B): lower max_state_checkpoints, raise "
-                f"memory_budget_bytes, or set hybrid_prefix_policy='refuse'"
-            )
-        return checkpoint_bytes
+        return self.config.max_state_checkpoints * ledger.state_bytes_per_slot
 
     def _create_prefix_cache(self) -> BasePrefixCache:
         """The radix cache; for a hybrid model the one `hybrid_prefix_policy` asks for (see the module docstring)."""
@@ -262,10 +305,14 @@ class Engine:
             )
 
     def add_request(self, input_ids: list[int], sampling_params: SamplingParams) -> Req:
-        """Queue a request; a request that can never run comes back already finished, with its error."""
+        """Queue a request; a request that can never run comes back already finished, with its error.
+
+        `sampling_params` of another type is a TypeError (a caller's mistake, not a request's): nothing is queued.
+        """
+        check_sampling_params(sampling_params)
         req = Req(uid=self._next_uid, input_ids=list(input_ids), sampling_params=sampling_params)
         self._next_uid += 1
-        error = self._validate(input_ids, sampling_params)
+        error = self._validate(req.input_ids)
         if error is not None:
             req.finished, req.finish_reason, req.error = True, "error", error
             return req
@@ -278,16 +325,19 @@ class Engine:
         self.scheduler.add_req(req)
         return req
 
-    def _validate(self, input_ids: list[int], params: SamplingParams) -> str | None:
-        """Why this request cannot run, or None."""
+    def _validate(self, input_ids: list[int]) -> str | None:
+        """Why this prompt cannot run, or None. (SamplingParams check themselves on construction.)"""
         if len(input_ids) == 0:
             return "empty prompt: at least one token is needed"
         vocab_size = self.model_config.vocab_size
         for position, token in enumerate(input_ids):
             try:
-                token = operator.index(token)
+                # bool is an int in Python (True == 1): a prompt of bools is a mistake, not token 1.
+                token = operator.index(token) if not isinstance(token, bool) else None
             except TypeError:
-                return f"token {token!r} at position {position} is not an integer"
+                token = None
+            if token is None:
+                return f"token {input_ids[position]!r} at position {position} is not an integer token id"
             if not 0 <= token < vocab_size:
                 return f"token id {token} at position {position} is outside the vocabulary [0, {vocab_size})"
         if len(input_ids) >= self.max_context_len:
@@ -295,13 +345,6 @@ class Engine:
                 f"prompt of {len(input_ids)} tokens is too long: the context holds {self.max_context_len} tokens "
                 f"(max_position_embeddings {self.model_config.max_position_embeddings}, KV pool "
                 f"{self.memory_plan.num_tokens} tokens) and at least one must be left to generate"
-            )
-        if params.max_new_tokens < 1:
-            return f"max_new_tokens must be at least 1, got {params.max_new_tokens}"
-        if params.temperature < 0 or params.top_k < 0 or not 0 < params.top_p <= 1:
-            return (
-                f"bad sampling parameters: temperature {params.temperature} (>= 0), top_k {params.top_k} (>= 0), "
-                f"top_p {params.top_p} (in (0, 1])"
             )
         return None
 
@@ -316,7 +359,12 @@ class Engine:
 
     @torch.inference_mode()
     def step(self) -> list[Req]:
-        """Run one scheduler step; returns the requests that finished in it."""
+        """Run one scheduler step; returns the requests that finished in it.
+
+        An exception escaping the step (KeyboardInterrupt included: a student interrupting a cell) aborts the
+        requests of its batch before it propagates: their states and KV may be half-advanced, so they can neither
+        resume nor be cached (`Scheduler.abort_req`). The engine is then as if they had never been submitted.
+        """
         batch = self.scheduler.schedule_next_batch()
         if batch is None:
             if self.scheduler.has_unfinished_reqs:
@@ -324,30 +372,35 @@ class Engine:
                 # always admit the first waiting request: getting here means the bookkeeping is broken.
                 raise RuntimeError("the scheduler has unfinished requests but can run none of them")
             return []
+        try:
+            return self._run_batch(batch)
+        except BaseException as e:
+            for req in batch.reqs:
+                self.abort_req(req, f"the step running this request raised {type(e).__name__}: {e}")
+            raise
+
+    def _run_batch(self, batch: Batch) -> list[Req]:
         start = time.perf_counter()
         if self.state_pool is not None:
-            self._clear_new_states(batch)
+            self.state_pool.clear_new_requests(batch.reqs)
         logits = self.model(self._forward_batch(batch))
         sampled_reqs = [req for req, sampled in zip(batch.reqs, batch.sample) if sampled]
-        tokens = iter(self.sampler.sample(logits, sampled_reqs))
-        next_tokens = [next(tokens) if sampled else None for sampled in batch.sample]
+        samples = iter(self.sampler.sample(logits, sampled_reqs))
+        next_tokens, errors = zip(*(next(samples) if sampled else (None, None) for sampled in batch.sample))
         self._record(batch, time.perf_counter() - start)
-        finished = self.scheduler.process_batch_output(batch, next_tokens)
+        with _sigint_deferred():
+            finished = self.scheduler.process_batch_output(batch, next_tokens, errors)
         for req in finished:
             self.sampler.remove_req(req)
             self.stats.cached_tokens += req.prefix_hit_len
         return finished
 
-    def _clear_new_states(self, batch: Batch) -> None:
-        """Zero the state slots of the requests that start from nothing in this step (nothing of them in the pools).
-
-        The GDN layers already ignore the slot of such a request (prefix_lens 0: no initial state); clearing it too
-        means a stale state left by the slot's previous request can never be read, whoever forgets that rule. Only
-        then: a later chunk of the same request (cached_len > 0) continues from the state its slot holds.
-        """
-        new_slots = [req.table_idx for req in batch.reqs if req.cached_len == 0]
-        if new_slots:
-            self.state_pool.clear(new_slots)
+    def abort_req(self, req: Req, error: str | None = None) -> None:
+        """Stop an unfinished request wherever it is (finish_reason "abort"); its slot, pages and lock are freed and
+        nothing it computed is cached. A finished request is left as it is."""
+        if not req.finished:
+            self.scheduler.abort_req(req, "abort", error)
+            self.sampler.remove_req(req)
 
     def _forward_batch(self, batch: Batch) -> ForwardBatch:
         """The step's new tokens in one flat row, with their positions and the KV locations they write."""

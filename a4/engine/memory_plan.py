@@ -5,13 +5,14 @@ Two kinds of memory grow with the work the engine takes on:
 - per request slot, fixed whatever the request's length: its row of the `req_to_token` table and, for a hybrid model,
   its Gated DeltaNet states (`state_bytes_per_slot`, 0 for all-attention models).
 
-`plan_memory` gives the slots what they need first (fewer slots if even that does not fit) and turns the rest of
-the budget into whole KV pages. Only the full-attention layers count toward KV bytes, so a hybrid model (Qwen3.5,
-one layer in four) gets KV only where it needs it; its slots are planned the same way once their state is counted
-(`StatePool.bytes_per_slot`, notebook 05), or capped at a share of the budget by `plan_hybrid_memory`
-(hybrid_memory.py, notebook 06). Before either, the engine sets aside the bytes of the state checkpoints its prefix
-cache may keep (notebook 07): `MemoryPlan.checkpoint_bytes`. Model weights are not part of the budget: they are
-loaded before the plan is made.
+`plan_memory` sets aside the KV of one request as long as the model's context, gives the slots what they need
+(fewer slots if they do not fit beside that request, but always one) and turns the rest of the budget into whole KV
+pages: a larger budget never gives fewer slots or a shorter context. Only the full-attention layers count toward KV
+bytes, so a hybrid model (Qwen3.5, one layer in four) gets KV only where it needs it; its slots are planned the same
+way once their state is counted (`StatePool.bytes_per_slot`, notebook 05), or capped at a share of the budget by
+`plan_hybrid_memory` (hybrid_memory.py, notebook 06). Before either, the engine sets aside the bytes of the state
+checkpoints its prefix cache may keep (notebook 07): `MemoryPlan.checkpoint_bytes`. Model weights are not part of
+the budget: they are loaded before the plan is made.
 """
 
 from __future__ import annotations
@@ -122,7 +123,15 @@ def plan_memory(
     max_running_requests: int,
     state_bytes_per_slot: int = 0,
 ) -> MemoryPlan:
-    """Request slots first (as many as asked, or as many as fit beside one page), then KV pages with the rest."""
+    """One full-length request's KV, then request slots (as many as asked, or as many as fit), then KV pages.
+
+    The engine's context is the shorter of the model's (`max_position_embeddings`) and the KV pool, so the pool
+    first gets the pages of one request of the model's full context (or what the budget holds beside one slot).
+    Only then do slots beyond the first come out of the budget, up to `max_running_requests`, and every byte left
+    becomes KV pages. Had the slots come first beside a single page, a budget a little larger could buy one slot
+    more out of the KV pool and shorten the context of every request: more memory, a worse engine. In this order a
+    larger budget never gives fewer slots or a shorter context.
+    """
     if budget_bytes <= 0 or page_size <= 0 or max_running_requests <= 0:
         raise ValueError(
             "plan_memory needs positive budget_bytes, page_size and max_running_requests, "
@@ -130,21 +139,29 @@ def plan_memory(
         )
     ledger = MemoryLedger.from_config(config, dtype, state_bytes_per_slot=state_bytes_per_slot)
     page_bytes = page_size * ledger.kv_bytes_per_token
-    slots = min(max_running_requests, (budget_bytes - page_bytes) // ledger.bytes_per_slot)
-    if slots < 1:
+    if budget_bytes < ledger.bytes_per_slot + page_bytes:
         raise MemoryPlanError(
             f"a memory budget of {budget_bytes:,} B cannot hold one request slot ({ledger.bytes_per_slot:,} B) "
             f"and one KV page ({page_bytes:,} B)"
         )
+    # Whole pages, like the engine's context; at least one, the smallest pool.
+    context_bytes = max(config.max_position_embeddings // page_size, 1) * page_bytes
+    slots = min(max_running_requests, max((budget_bytes - context_bytes) // ledger.bytes_per_slot, 1))
     num_pages = (budget_bytes - slots * ledger.bytes_per_slot) // page_bytes
     return MemoryPlan(ledger, budget_bytes, page_size, num_pages, slots)
 
 
 def default_budget_bytes(
-    ledger: MemoryLedger, *, max_running_requests: int, max_context_len: int, device: torch.device
+    ledger: MemoryLedger,
+    *,
+    max_running_requests: int,
+    max_context_len: int,
+    device: torch.device,
+    checkpoint_bytes: int = 0,
 ) -> int:
-    """Enough for every slot to hold a full context, capped by what the device can spare."""
-    wanted = max_running_requests * ledger.bytes_per_request(max_context_len)
+    """Enough for every slot to hold a full context beside the `checkpoint_bytes` set aside for the prefix cache's
+    state checkpoints, capped by what the device can spare."""
+    wanted = checkpoint_bytes + max_running_requests * ledger.bytes_per_request(max_context_len)
     if device.type == "cuda":
         free_bytes, _ = torch.cuda.mem_get_info(device)
         return min(wanted, int(free_bytes * DEFAULT_DEVICE_MEMORY_FRACTION))

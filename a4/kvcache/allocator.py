@@ -42,9 +42,19 @@ class PageAllocator:
         return torch.tensor(pages, dtype=torch.int64)
 
     def free(self, pages: torch.Tensor) -> None:
-        for page in pages.tolist():
-            if self._is_free[page]:
+        """Give pages back. A page outside the pool, already free or listed twice is refused, and then none is freed:
+        checked first, so that a refused call leaves the free list as it was."""
+        pages = pages.tolist()
+        outside = [page for page in pages if not 0 <= page < self.num_pages]
+        if outside:
+            # A negative id would otherwise index from the end and free some other request's page.
+            raise ValueError(f"pages {outside} are not in the pool of {self.num_pages} pages")
+        listed = set()
+        for page in pages:
+            if self._is_free[page] or page in listed:
                 raise RuntimeError(f"page {page} freed twice")
+            listed.add(page)
+        for page in pages:
             self._is_free[page] = True
             self._free_pages.append(page)
 

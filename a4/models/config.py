@@ -3,12 +3,16 @@
 One frozen dataclass serves every model a4 runs. All-attention models (Qwen3) leave the Gated DeltaNet and MoE
 fields at their defaults; hybrid models (Qwen3.5) fill them. Which parser reads a file is decided by its
 `architectures` entry, through `CONFIG_PARSERS`; Qwen3.5's parser is the exercise of notebook 01.
+
+Before any parser runs, `parse_config` checks the type of every field a4 reads that the file sets (`FIELD_RULES`),
+so that a parser's `int(...)` never turns "64" or 64.5 into 64, nor `bool("false")` ties embeddings.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, replace
+import math
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -102,10 +106,75 @@ class ModelConfig:
 
 
 def require(cfg: dict[str, Any], key: str, where: str = "config.json") -> Any:
-    """cfg[key], or a ConfigError naming the missing field and the file section it was looked for in."""
-    if key not in cfg:
-        raise ConfigError(f"{where}: missing required field {key!r}")
+    """cfg[key], or a ConfigError naming the missing (or null) field and the file section it was looked for in."""
+    if cfg.get(key) is None:
+        raise ConfigError(f"{where}: missing required field {key!r}" + (" (it is null)" if key in cfg else ""))
     return cfg[key]
+
+
+# ------------------------------------------------------------------------------------------------- field types
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_positive_int(value: Any) -> bool:
+    return _is_int(value) and value > 0
+
+
+def _is_non_negative_int(value: Any) -> bool:
+    return _is_int(value) and value >= 0
+
+
+def _is_positive_number(value: Any) -> bool:
+    return (_is_int(value) or isinstance(value, float)) and math.isfinite(value) and value > 0
+
+
+def _is_bool(value: Any) -> bool:
+    return isinstance(value, bool)
+
+
+def _is_list_of_str(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(item, str) for item in value)
+
+
+# field -> (test of its value, what the value must be). A field that is absent or null is left to the parser.
+# Every config.json field named like an integer field of ModelConfig is a size or a count. full_attention_interval
+# and num_experts_per_tok only need to be integers here: their ranges are the exercise's.
+FIELD_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
+    **{f.name: (_is_positive_int, "a positive integer") for f in fields(ModelConfig) if f.type == "int"},
+    "sliding_window": (_is_positive_int, "a positive integer"),
+    "full_attention_interval": (_is_int, "an integer"),
+    "num_experts_per_tok": (_is_int, "an integer"),
+    "max_window_layers": (_is_non_negative_int, "a non-negative integer"),
+    "rms_norm_eps": (_is_positive_number, "a positive number"),
+    "rope_theta": (_is_positive_number, "a positive number"),
+    "partial_rotary_factor": (lambda v: _is_positive_number(v) and v <= 1, "a number in (0, 1]"),
+    "tie_word_embeddings": (_is_bool, "true or false"),
+    "norm_topk_prob": (_is_bool, "true or false"),
+    "use_sliding_window": (_is_bool, "true or false"),
+    "eos_token_id": (
+        lambda v: _is_non_negative_int(v) or (isinstance(v, list) and all(map(_is_non_negative_int, v))),
+        "a token id or a list of token ids",
+    ),
+    "layer_types": (_is_list_of_str, "a list of layer type names"),
+    "architectures": (
+        lambda v: _is_list_of_str(v) and bool(v),
+        'a list of model class names, e.g. ["Qwen3ForCausalLM"]',
+    ),
+}
+
+
+def check_field_types(section: dict[str, Any], where: str) -> None:
+    """A ConfigError naming the first field of `section` (and of its rope_parameters) that breaks FIELD_RULES."""
+    for name, (valid, expected) in FIELD_RULES.items():
+        value = section.get(name)
+        if value is not None and not valid(value):
+            raise ConfigError(f"{where}: {name} must be {expected}, got {value!r} ({type(value).__name__})")
+    rope = section.get("rope_parameters")
+    if isinstance(rope, dict):
+        check_field_types(rope, f"{where} rope_parameters")
 
 
 def rope_theta_of(cfg: dict[str, Any], where: str) -> float:
@@ -120,6 +189,26 @@ def eos_ids(value: int | list[int] | None) -> tuple[int, ...]:
     if value is None:
         return ()
     return tuple(value) if isinstance(value, list) else (int(value),)
+
+
+def qwen3_layer_types(raw: dict[str, Any], num_layers: int) -> tuple[str, ...]:
+    """Qwen3's layer kinds as transformers reads them; a ConfigError unless every one is full attention.
+
+    transformers takes `layer_types` where the file lists it; otherwise, with `use_sliding_window` on, the layers from
+    `max_window_layers` (default 28) on attend within a sliding window. a4's Qwen3 has no sliding window: running
+    such a file with full attention would give other tokens than the model it describes.
+    """
+    listed = raw.get("layer_types")
+    source = "layer_types"
+    if listed is None:
+        sliding = raw.get("use_sliding_window") and raw.get("sliding_window") is not None
+        first_sliding = raw.get("max_window_layers", 28) if sliding else num_layers
+        listed = [FULL_ATTENTION if i < first_sliding else "sliding_attention" for i in range(num_layers)]
+        source = "use_sliding_window with max_window_layers"
+    for i, kind in enumerate(listed):
+        if kind != FULL_ATTENTION:
+            raise ConfigError(f"config.json: layer {i} is {kind!r} ({source}); a4's Qwen3 runs full attention only")
+    return tuple(listed)
 
 
 def parse_qwen3_config(raw: dict[str, Any]) -> ModelConfig:
@@ -144,7 +233,7 @@ def parse_qwen3_config(raw: dict[str, Any]) -> ModelConfig:
         max_position_embeddings=int(require(raw, "max_position_embeddings", where)),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         eos_token_ids=eos_ids(raw.get("eos_token_id")),
-        layer_types=(FULL_ATTENTION,) * num_layers,
+        layer_types=qwen3_layer_types(raw, num_layers),
     )
 
 
@@ -182,13 +271,18 @@ def read_json(path: Path) -> dict[str, Any]:
 
 
 def parse_config(raw: dict[str, Any]) -> ModelConfig:
-    """Dispatch a config.json's contents to the parser of its architecture."""
-    archs = raw.get("architectures") or []
-    if not archs:
+    """Check the types of a config.json's fields, then dispatch its contents to the parser of its architecture."""
+    if not raw.get("architectures"):
         raise ConfigError("config.json: missing 'architectures' (which model class is this?)")
-    parser = CONFIG_PARSERS.get(archs[0])
+    check_field_types(raw, "config.json")
+    if isinstance(raw.get("text_config"), dict):
+        check_field_types(raw["text_config"], "config.json text_config")
+    # Like transformers, the first class listed decides.
+    architecture = raw["architectures"][0]
+    parser = CONFIG_PARSERS.get(architecture)
     if parser is None:
-        raise ConfigError(f"config.json: architecture {archs[0]!r} is not supported (known: {sorted(CONFIG_PARSERS)})")
+        known = sorted(CONFIG_PARSERS)
+        raise ConfigError(f"config.json: architecture {architecture!r} is not supported (known: {known})")
     return parser(raw)
 
 
@@ -202,7 +296,9 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
     config = parse_config(read_json(model_dir / "config.json"))
     generation_path = model_dir / "generation_config.json"
     if generation_path.exists():
-        generation_eos = eos_ids(read_json(generation_path).get("eos_token_id"))
+        generation = read_json(generation_path)
+        check_field_types(generation, "generation_config.json")
+        generation_eos = eos_ids(generation.get("eos_token_id"))
         if generation_eos:
             config = replace(config, eos_token_ids=generation_eos)
     return config

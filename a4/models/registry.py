@@ -33,6 +33,25 @@ def model_class(architecture: str) -> type[nn.Module]:
     return getattr(importlib.import_module(module_name), class_name)
 
 
+def usable_device(device: torch.device | str) -> torch.device:
+    """`device` as a torch.device that can hold the weights, or a ValueError naming it (before anything is loaded).
+
+    "meta" holds shapes, not values; a device this machine or this PyTorch build lacks fails a one-element allocation.
+    """
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"unknown device {device!r} ({e})") from None
+    if resolved.type == "meta":
+        raise ValueError(f"device {str(device)!r} holds tensor shapes but no values: it cannot hold weights")
+    try:
+        torch.empty(1, device=resolved)
+    except Exception as e:  # noqa: BLE001 - each backend fails its own way (AssertionError, RuntimeError, ...)
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ValueError(f"device {str(device)!r} cannot hold tensors on this machine ({reason})") from None
+    return resolved
+
+
 def resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
@@ -60,6 +79,7 @@ def load_model(
     A model class may define `checkpoint_key_map(key) -> str | None` (a staticmethod) to rename or skip checkpoint
     keys; without one, the keys are its parameter names. The model comes back in eval mode, without gradients.
     """
+    device = usable_device(device)
     dtype = resolve_dtype(dtype)
     config = load_model_config(model_dir)
     cls = model_class(config.architecture)

@@ -79,48 +79,62 @@ class CacheManager:
         """Give the positions that this step writes (cached_len .. cached_len + extend_len - 1) KV locations.
 
         Pages are allocated whole and recorded in the table whole, so the tokens that follow in the same page
-        already have their locations. Unlocked cache entries are evicted when the free list runs short.
+        already have their locations. Unlocked cache entries are evicted when the free list runs short. A request
+        that already has locations for those positions (a step that raised before it was booked) gets no more.
         """
         for req, extend_len in zip(reqs, extend_lens):
-            first_page = pages_for(req.cached_len, self.page_size)
-            last_page = pages_for(req.cached_len + extend_len, self.page_size)
+            end = req.cached_len + extend_len
+            first_page = pages_for(req.kv_allocated_len, self.page_size)
+            last_page = pages_for(end, self.page_size)
             if last_page > first_page:
                 pages = self._allocate_pages(last_page - first_page)
                 self.table_manager.write(
                     req.table_idx, first_page * self.page_size, self.allocator.pages_to_locations(pages)
                 )
+            req.kv_allocated_len = max(req.kv_allocated_len, end)
 
-    def cache_req(self, req: Req, *, finished: bool) -> None:
-        """Hand the request's KV positions [0, cached_len) over to the prefix cache.
+    def cache_req(self, req: Req) -> None:
+        """Hand the request's KV positions [0, cached_len) over to the prefix cache, and their state with them.
 
         Row positions (old = the handle's length, new = the inserted page-aligned length, stored = req.cached_len):
           [0, old)            already the tree's, locked by this request since admission (or the last insert);
           [old, prefix_len)   the tree learned these tokens from another request meanwhile: ours are duplicates,
                               freed, and the row is pointed at the tree's copy;
-          [prefix_len, new)   newly inserted: the tree owns these pages from now on;
-          [new, stored)       a partial last page the tree cannot hold (or everything, with the cache off):
-                              still ours, freed when the request finishes.
+          [prefix_len, new)   newly inserted: the tree owns these pages from now on, locked by this request;
+          [new, ...)          a partial last page the tree cannot hold (or everything, with the cache off), and
+                              pages allocated ahead: still the request's own, until `release_req`.
+        The request's row, lock and handle agree again before the state is offered to the cache, so that an exception
+        there leaves the request releasable.
         """
         table_idx, stored = req.table_idx, req.cached_len
         old_handle = req.cache_handle
         row = self.table_manager.read(table_idx, 0, stored)
         fed = req.all_ids[:stored]
         result = self.prefix_cache.insert_prefix(fed, row)
-        # The slot's state is the state after exactly the tokens fed: a chunk boundary, the end of the prompt, or
-        # (finished) everything but the last sampled token, the prefix of a multi-turn chat's next turn.
-        self.prefix_cache.save_state(fed, table_idx)
         duplicates = slice(old_handle.cached_len, result.prefix_len)
         self.allocator.free_locations(row[duplicates])
         self.table_manager.write(table_idx, old_handle.cached_len, result.locations[duplicates])
-        if finished:
-            self.unlock(old_handle)
-            self.allocator.free_locations(row[result.handle.cached_len :])
-            req.cache_handle = None
-        else:
-            # Lock the new path before unlocking the old one, so the shared part is never evictable in between.
-            self.lock(result.handle)
-            self.unlock(old_handle)
-            req.cache_handle = result.handle
+        # Lock the new path before unlocking the old one, so the shared part is never evictable in between.
+        self.lock(result.handle)
+        self.unlock(old_handle)
+        req.cache_handle = result.handle
+        # The slot's state is the state after exactly the tokens fed: a chunk boundary, the end of the prompt, or
+        # (finished) everything but the last sampled token, the prefix of a multi-turn chat's next turn.
+        self.prefix_cache.save_state(fed, table_idx)
+
+    def release_req(self, req: Req) -> None:
+        """Give back what the request holds and the tree does not: its lock on the tree and its own pages.
+
+        Nothing is inserted: after `cache_req` this finishes a request; without it, it aborts one, and nothing it
+        computed enters the prefix cache. Its own pages start at its handle (the tree holds only whole pages, so
+        that is a page boundary) and end with the last page allocated for it.
+        """
+        handle = req.cache_handle
+        own_end = pages_for(req.kv_allocated_len, self.page_size) * self.page_size
+        self.allocator.free_locations(self.table_manager.read(req.table_idx, handle.cached_len, own_end))
+        self.unlock(handle)
+        req.cache_handle = None
+        req.kv_allocated_len = 0
 
     def _allocate_pages(self, num_pages: int) -> torch.Tensor:
         shortfall = num_pages - self.allocator.num_free_pages

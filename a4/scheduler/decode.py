@@ -18,7 +18,9 @@ class DecodeManager:
         self.running.append(req)
 
     def remove_req(self, req: Req) -> None:
-        self.running.remove(req)
+        """Take req out of the running list, if it is there."""
+        if req in self.running:
+            self.running.remove(req)
 
     @property
     def reserved_pages(self) -> int:

@@ -67,12 +67,20 @@ class PrefillAdder:
         if needed + self.reserved_pages > self.cache_manager.available_pages:
             self.cache_manager.unlock(match.handle)
             return False
-        self.reserved_pages += needed
         req.table_idx = self.table_manager.allocate()
-        req.cached_len = req.prefix_hit_len = match.handle.cached_len
+        req.cached_len = req.prefix_hit_len = req.kv_allocated_len = match.handle.cached_len
         req.cache_handle = match.handle
         self.table_manager.write(req.table_idx, 0, match.locations)
-        self.cache_manager.restore_state(req)
+        try:
+            self.cache_manager.restore_state(req)
+        except BaseException:
+            # Not admitted after all: the request stays queued as it came, holding nothing.
+            self.cache_manager.unlock(match.handle)
+            self.table_manager.free(req.table_idx)
+            req.table_idx, req.cached_len, req.prefix_hit_len, req.kv_allocated_len = -1, 0, 0, 0
+            req.cache_handle = None
+            raise
+        self.reserved_pages += needed
         return True
 
     def batch(self) -> Batch:
@@ -104,10 +112,19 @@ class PrefillManager:
                 break
         if not adder.reqs:
             return None
-        batch = adder.batch()
+        return adder.batch()
+
+    def book(self, batch: Batch) -> None:
+        """The prefill step `batch` has run: its chunked requests (not sampled) go to the front of the queue to
+        resume first, the others leave it. Not done at scheduling, so that a step that raises leaves the queue as
+        it was."""
         chunked = [req for req, sampled in zip(batch.reqs, batch.sample) if not sampled]
         self.pending = chunked + self.pending[len(batch.reqs) :]
-        return batch
+
+    def remove_req(self, req: Req) -> None:
+        """Take req out of the queue, if it is there."""
+        if req in self.pending:
+            self.pending.remove(req)
 
     @property
     def runnable(self) -> bool:

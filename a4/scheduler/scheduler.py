@@ -48,7 +48,11 @@ class Scheduler:
         return self.prefill_manager.runnable or self.decode_manager.runnable
 
     def schedule_next_batch(self) -> Batch | None:
-        """The next step's batch, with KV locations allocated for all the tokens it writes; None if nothing can run."""
+        """The next step's batch, with KV locations allocated for all the tokens it writes; None if nothing can run.
+
+        Nothing is booked until `process_batch_output`: if the step raises before that, its requests are still where
+        they were (queued, or decoding) and `abort_req` can take them out.
+        """
         reserved_pages = self.decode_manager.reserved_pages + self.prefill_manager.reserved_pages
         batch = (
             self.prefill_manager.schedule_next_batch(self.max_prefill_tokens, reserved_pages)
@@ -58,28 +62,52 @@ class Scheduler:
             self.cache_manager.allocate(batch.reqs, batch.extend_lens)
         return batch
 
-    def process_batch_output(self, batch: Batch, next_tokens: Sequence[int | None]) -> list[Req]:
+    def process_batch_output(
+        self, batch: Batch, next_tokens: Sequence[int | None], errors: Sequence[str | None] | None = None
+    ) -> list[Req]:
         """Book a finished forward: tokens now in the pool, sampled tokens (None where not sampled), finishes.
 
-        Returns the requests that finished in this step.
+        A request with an error (its logits could not be sampled) finishes alone with finish_reason "error", and
+        nothing of this step's forward for it enters the prefix cache. Returns the requests that finished.
         """
+        errors = errors or [None] * len(batch.reqs)
+        if batch.phase == "prefill":
+            self.prefill_manager.book(batch)
         finished = []
-        for req, extend_len, token in zip(batch.reqs, batch.extend_lens, next_tokens):
+        for req, extend_len, token, error in zip(batch.reqs, batch.extend_lens, next_tokens, errors):
+            if error is not None:
+                self.abort_req(req, "error", error)
+                finished.append(req)
+                continue
             req.cached_len += extend_len
             if token is not None:
                 req.output_ids.append(token)
                 req.finish_reason = self._finish_reason(req, token)
+            # Share what this step wrote at once: a later request with the same prefix (even one arriving while this
+            # prompt is still being chunked) skips it. A finished request leaves everything but its last sampled
+            # token, whose KV was never written: the prefix of a multi-turn chat's next turn.
+            if batch.phase == "prefill" or req.finish_reason is not None:
+                self.cache_manager.cache_req(req)
             if req.finish_reason is not None:
-                self._release(req, batch)
+                self._release(req)
                 finished.append(req)
-                continue
-            if batch.phase == "prefill":
-                # Share what this step wrote at once: a later request with the same prefix (even one arriving
-                # while this prompt is still being chunked) skips it.
-                self.cache_manager.cache_req(req, finished=False)
-                if token is not None:
-                    self.decode_manager.add_req(req)
+            elif batch.phase == "prefill" and token is not None:
+                self.decode_manager.add_req(req)
         return finished
+
+    def abort_req(self, req: Req, reason: str = "abort", error: str | None = None) -> None:
+        """Take an unfinished request out wherever it is, with everything it holds, and caching nothing of it.
+
+        Safe at any point of a step: a request admitted in a step that raised before being booked holds a slot, a
+        lock on its cached prefix and pages for the step's tokens, and its state in the slot is ahead of its
+        cached_len. All of it is given back, so the slot and the pages are clean for the next request.
+        """
+        if req.finished:
+            return
+        self.prefill_manager.remove_req(req)
+        self.decode_manager.remove_req(req)
+        req.finish_reason, req.error = reason, error
+        self._release(req)
 
     def _finish_reason(self, req: Req, token: int) -> str | None:
         if token in self.eos_token_ids and not req.sampling_params.ignore_eos:
@@ -88,10 +116,10 @@ class Scheduler:
             return "length"
         return None
 
-    def _release(self, req: Req, batch: Batch) -> None:
+    def _release(self, req: Req) -> None:
         req.finished = True
-        if batch.phase == "decode":
-            self.decode_manager.remove_req(req)
-        self.cache_manager.cache_req(req, finished=True)
-        self.table_manager.free(req.table_idx)
-        req.table_idx = -1
+        self.decode_manager.remove_req(req)
+        if req.table_idx >= 0:
+            self.cache_manager.release_req(req)
+            self.table_manager.free(req.table_idx)
+            req.table_idx = -1

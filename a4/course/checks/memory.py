@@ -48,6 +48,7 @@ class Figures:
     conv_state_bytes: int  # one GDN layer, one slot, model dtype
     recurrent_state_bytes: int  # one GDN layer, one slot, float32
     table_bytes_per_slot: int
+    max_position_embeddings: int  # the longest request the model accepts
 
     @property
     def state_bytes_per_slot(self) -> int:
@@ -83,6 +84,7 @@ def figures(raw: dict[str, Any], dtype: torch.dtype) -> Figures:
         conv_state_bytes=conv_dim * (t["linear_conv_kernel_dim"] - 1) * element,
         recurrent_state_bytes=t["linear_num_value_heads"] * t["linear_key_head_dim"] * t["linear_value_head_dim"] * 4,
         table_bytes_per_slot=t["max_position_embeddings"] * TABLE_ENTRY_BYTES,
+        max_position_embeddings=t["max_position_embeddings"],
     )
 
 
@@ -215,19 +217,25 @@ def expected_split(
 ) -> tuple[int, int] | None:
     """(slots, pages) the notebook's policy gives, or None when even one slot and one page do not fit."""
     page_bytes = page_size * fig.kv_bytes_per_token
+    if budget_bytes < fig.slot_bytes + page_bytes:
+        return None
     slots = max_running_requests
     if state_fraction is not None:
         slots = min(slots, int(budget_bytes * state_fraction) // fig.slot_bytes)
-    slots = min(slots, (budget_bytes - page_bytes) // fig.slot_bytes)
-    if slots < 1:
-        return None
+        if slots < 1:
+            return None
+    # Slots beyond the first only beside the KV of one request of the model's full context, in whole pages.
+    context_bytes = max(fig.max_position_embeddings // page_size, 1) * page_bytes
+    slots = min(slots, max((budget_bytes - context_bytes) // fig.slot_bytes, 1))
     return slots, (budget_bytes - slots * fig.slot_bytes) // page_bytes
 
 
 def split_cases(fig: Figures) -> list[dict[str, Any]]:
     """Budgets from a bare minimum to hundreds of slots, page sizes 1 and 4, both policies."""
-    slot, token = fig.slot_bytes, fig.kv_bytes_per_token
-    budgets = [slot + 4 * token, slot + 4 * token - 1, 3 * slot + 50 * token + 7, 40 * slot + 5000 * token, 400 * slot]
+    slot, token, context = fig.slot_bytes, fig.kv_bytes_per_token, fig.max_position_embeddings
+    # One byte short of a third slot beside a full-length request: two slots.
+    budgets = [slot + 4 * token, slot + 4 * token - 1, 3 * slot + context * token - 1, 40 * slot + 5000 * token,
+               400 * slot]
     return [
         dict(budget_bytes=b, page_size=p, max_running_requests=m, state_fraction=f)
         for b in budgets
@@ -297,16 +305,18 @@ def engine_cases(fig: Figures) -> list[dict[str, Any]]:
     """LLM settings whose slots are limited by the budget, by max_running_requests and by state_fraction.
 
     The prefix cache is on (the default), so the engine first sets aside `max_state_checkpoints` states for it
-    (notebook 07) unless hybrid_prefix_policy is "refuse"; the budgets are sized to hold them.
+    (notebook 07) unless hybrid_prefix_policy is "refuse"; the budgets are sized to hold them, and the KV of one
+    full-length request, without which the plan gives one slot only.
     """
-    slot, token, state = fig.slot_bytes, fig.kv_bytes_per_token, fig.state_bytes_per_slot
+    slot, state = fig.slot_bytes, fig.state_bytes_per_slot
+    token, context = fig.kv_bytes_per_token, fig.max_position_embeddings
     return [
-        dict(memory_budget_bytes=3 * slot + 200 * token, max_running_requests=8, page_size=1, state_fraction=None,
-             hybrid_prefix_policy="refuse"),
-        dict(memory_budget_bytes=2 * state + 6 * slot + 300 * token, max_running_requests=8, page_size=4,
+        dict(memory_budget_bytes=3 * slot + (context + 200) * token, max_running_requests=8, page_size=1,
+             state_fraction=None, hybrid_prefix_policy="refuse"),
+        dict(memory_budget_bytes=2 * state + 6 * slot + (context + 300) * token, max_running_requests=8, page_size=4,
              state_fraction=None, hybrid_prefix_policy="checkpoint", max_state_checkpoints=2),
-        dict(memory_budget_bytes=16 * state + 20 * slot + 8 * token, max_running_requests=16, page_size=4,
-             state_fraction=0.3, hybrid_prefix_policy="checkpoint", max_state_checkpoints=16),
+        dict(memory_budget_bytes=16 * state + 20 * slot + (context + 8) * token, max_running_requests=16,
+             page_size=4, state_fraction=0.1, hybrid_prefix_policy="checkpoint", max_state_checkpoints=16),
     ]
 
 
@@ -407,6 +417,10 @@ def run_traced(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> tu
 # Three prompts of ids below 1000 (the tiny checkpoints' stop tokens are 1000 and 1002), and their output length.
 ADMISSION_PROMPTS = ([11, 12, 13, 14, 15, 16], [21, 22, 23, 24, 25, 26, 27, 28, 29], [31, 32, 33, 34, 35, 36, 37])
 ADMISSION_NEW_TOKENS = 6
+# The context of the model the admission runs use (`tiny_checkpoint("qwen3_5", max_position_embeddings=16)`): the
+# plan gives a second slot only beside the KV of one full-length request, so with the 4,096 tokens of the tiny
+# preset these three short requests could never run short of pages.
+ADMISSION_CONTEXT = 16
 
 
 def admission_settings(model_dir: str | Path, limit: str) -> dict[str, Any]:
@@ -415,13 +429,22 @@ def admission_settings(model_dir: str | Path, limit: str) -> dict[str, Any]:
     limit "slots": max_running_requests 3, but a budget for 2 slots (and KV for all three requests);
     limit "pages": 3 slots, but KV for the worst case of the first two requests only.
     """
-    fig = figures(json.loads((Path(model_dir) / "config.json").read_text()), torch.float32)
+    raw = json.loads((Path(model_dir) / "config.json").read_text())
+    fig = figures(raw, torch.float32)
     # A request stores at most prompt + max_new_tokens - 1 tokens (its last token is never fed back).
     worst = [len(prompt) + ADMISSION_NEW_TOKENS - 1 for prompt in ADMISSION_PROMPTS]
+    if not max(worst) < fig.max_position_embeddings <= worst[0] + worst[1]:
+        raise ValueError(
+            f"admission_settings needs a model whose context holds each request but not the first two together "
+            f"({max(worst) + 1}..{worst[0] + worst[1]} tokens), got max_position_embeddings "
+            f"{fig.max_position_embeddings}: use tiny_checkpoint('qwen3_5', "
+            f"max_position_embeddings={ADMISSION_CONTEXT})"
+        )
     if limit == "slots":
         budget = 2 * fig.slot_bytes + sum(worst) * fig.kv_bytes_per_token
-        # The pages must be worth less than a slot, or slots first would turn them into a third slot.
-        assert (sum(worst) - 1) * fig.kv_bytes_per_token < fig.slot_bytes, "admission_settings: pages exceed a slot"
+        # The pages beyond a full context must be worth less than a slot, or they would buy a third slot.
+        spare = sum(worst) - fig.max_position_embeddings
+        assert spare * fig.kv_bytes_per_token < fig.slot_bytes, "admission_settings: pages exceed a slot"
     elif limit == "pages":
         budget = 3 * fig.slot_bytes + (worst[0] + worst[1]) * fig.kv_bytes_per_token
     else:

@@ -8,15 +8,22 @@
   noisy, so the check asks only for what no noise can fake: the attention layer's time grows with the context, and
   the GDN layer's slope is less than a fifth of the attention layer's. A measurement that misses is repeated
   before the check fails.
+
+`bench_report` finds the full-size figures the notebook draws: the reader's own benchmark run, else the course's
+reference run.
 """
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import torch
 
+from a4._overlay import REPO_ROOT, SOLUTIONS_ROOT
 from a4.bench.decode_context import layer_step_seconds, slope_ms_per_1k
 from a4.checkpoints import preset_config, tensor_plan
 from a4.course.checks import conclude
@@ -40,6 +47,34 @@ SLOPE_REPEATS = 5
 MIN_SLOPE_RATIO = 5  # the attention layer's slope over the GDN layer's, at least
 MIN_ATTENTION_GROWTH = 2  # the attention layer at the longest context over the shortest, at least
 ATTEMPTS = 3
+
+
+# Where `python -m a4 bench NAME --out bench-out` writes NAME.json, and where the course keeps its reference run's.
+BENCH_OUT = REPO_ROOT / "bench-out"
+REFERENCE_REPORTS = SOLUTIONS_ROOT / "report"
+
+
+def bench_report(
+    name: str, out_dir: Path = BENCH_OUT, reference_dir: Path = REFERENCE_REPORTS
+) -> dict[str, Any] | None:
+    """The JSON of the benchmark `name` (its command-line name, e.g. "decode-context"): your own run's in out_dir,
+    else the course's reference run's (solutions/report/, in the instructor's repository and its book), else None.
+    Says which one it found, or how to make it."""
+    file_name = f"{name.replace('-', '_')}.json"
+    command = f"python -m a4 bench {name} --out {out_dir.name}"
+    for folder in (out_dir, reference_dir):
+        path = folder / file_name
+        if path.exists():
+            if folder == reference_dir:
+                print(f"The course's reference run: {_shown(path)}\nYour own: {command}")
+            return json.loads(path.read_text())
+    print(f"No {_shown(out_dir / file_name)} yet. For the full-size figure, run\n    {command}")
+    return None
+
+
+def _shown(path: Path) -> Path:
+    """A path relative to the repository when it is inside it (as the notebooks' readers know it)."""
+    return path.relative_to(REPO_ROOT) if path.is_relative_to(REPO_ROOT) else path
 
 
 # ------------------------------------------------------------------------------------------------------ the ledger

@@ -12,6 +12,7 @@ Two ground truths:
 from __future__ import annotations
 
 import functools
+import inspect
 import json
 import random
 from collections.abc import Sequence
@@ -26,11 +27,13 @@ from a4.course.checks import CheckFailed, conclude
 from a4.course.checks.config import QWEN3_5_PRESETS
 from a4.models.config import LINEAR_ATTENTION, parse_config
 
-# Prompt lengths of every engine check: a single token, lengths around the GDN chunk of 64 tokens, and long ones
-# that span several chunks.
+# Prompt lengths of every engine check: a single token, lengths just before, at and after a boundary of the GDN
+# layer's prefill chunks, and long ones that span several chunks. 64 is a multiple of every chunk size
+# `chunk_gated_delta_rule` takes (16, 32, 64; a4's is its default, `gdn_chunk_size()`), so 63, 64, 65 and 130
+# straddle a boundary whichever it is.
 PROMPT_LENGTHS = (1, 7, 40, 63, 64, 65, 130, 300)
 MAX_NEW_TOKENS = 6
-# Prefill budgets of the chunked check: each cuts some prompts before, at or after a 64-token GDN chunk boundary.
+# Prefill budgets of the chunked check: each cuts some prompts before, at or after a GDN chunk boundary.
 CHUNK_BUDGETS = (1, 7, 63, 64, 65)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -279,15 +282,35 @@ def _llm(checkpoint: str | Path, **kwargs):
     return LLM(checkpoint, hybrid_prefix_policy="refuse", **kwargs)
 
 
+def gdn_chunk_size() -> int:
+    """The chunk size of a4's GDN prefill: `chunk_gated_delta_rule`'s default, which the layer uses."""
+    from a4.layers.deltanet import chunk_gated_delta_rule
+
+    return inspect.signature(chunk_gated_delta_rule).parameters["chunk_size"].default
+
+
+def describe_chunks(length: int) -> str:
+    """How a prompt of `length` tokens falls into the GDN layer's prefill chunks, e.g. "5 GDN chunks of 32, the last
+    of 2 tokens"."""
+    size = gdn_chunk_size()
+    full, rest = divmod(length, size)
+    if rest == 0:
+        return f"{full} GDN chunk{'s' * (full > 1)} of {size}, all full"
+    if full == 0:
+        return f"one partial GDN chunk ({rest} of {size} tokens)"
+    return f"{full + 1} GDN chunks of {size}, the last of {rest} token{'s' * (rest > 1)}"
+
+
 def check_decode_single(checkpoint: str | Path) -> None:
-    """One request alone (a 130-token prompt: two GDN chunks, the second partial)."""
+    """One request alone: a 130-token prompt, several GDN chunks, the last one partial."""
     prompts = shared_prompts(checkpoint)
     pick = PROMPT_LENGTHS.index(130)
     outputs = _llm(checkpoint).generate([prompts[pick]], SamplingParams(max_new_tokens=MAX_NEW_TOKENS))
     expected = reference_tokens(checkpoint)
     conclude(
         token_problems("one request", outputs, [prompts[pick]], [expected[pick]]),
-        f"one request of {PROMPT_LENGTHS[pick]} prompt tokens: {len(outputs[0].token_ids)} tokens as transformers'",
+        f"one request of {PROMPT_LENGTHS[pick]} prompt tokens ({describe_chunks(PROMPT_LENGTHS[pick])}): "
+        f"{len(outputs[0].token_ids)} tokens as transformers'",
     )
 
 
@@ -307,7 +330,7 @@ def check_decode_varlen(checkpoint: str | Path) -> None:
 
 
 def check_decode_chunked(checkpoint: str | Path, budgets: Sequence[int] = CHUNK_BUDGETS) -> None:
-    """Prompts prefilled in chunks of each budget, cut anywhere but on the GDN layer's 64-token chunk boundaries.
+    """Prompts prefilled in chunks of each budget, cut before, at and after the GDN layer's chunk boundaries.
 
     Budget 1 feeds prompts of 7 and 40 tokens one token per step; the other budgets feed prompts of 63, 64, 65 and
     130 tokens, several requests per step, so that chunks end at every kind of position.
@@ -386,6 +409,98 @@ def check_state_poisoned(checkpoint: str | Path, num_slots: int = 5) -> None:
         if touched:
             problems.append(f"{label}: slot(s) {touched} held no request, yet their state changed")
     conclude(problems, "requests in poisoned slots match transformers, and no unused slot was written")
+
+
+def check_state_reset(state_pool_class: type, checkpoint: str | Path) -> None:
+    """A new request starts from a zero slot, and nothing else is cleared: `clear_new_requests` on its own, then the
+    pool as the engine's model finds it at every step.
+
+    The GDN layers also start a request with prefix_lens 0 from zero states (notebook 04), so tokens alone cannot
+    show a missing reset: the check looks at the slots themselves. On its own: garbage in five slots, a batch with
+    two new requests, two that continue (a later prefill chunk, a restored prefix hit) and one slot without a
+    request. In the engine: five requests of 1 to 65 tokens through three garbage-filled slots, prefilled in chunks
+    of 24 tokens; before each forward, every new request's slot must be zero and every continuing one's must hold
+    exactly what the previous step left there.
+    """
+    from a4.core import Req
+
+    raw = read_config(checkpoint)
+    pool = state_pool_class(parse_config(raw), 5, torch.float32, "cpu")
+    poison(pool, torch.Generator().manual_seed(2))
+    before = _snapshot(pool)
+    batch = {3: 0, 1: 17, 0: 0, 4: 40}  # slot: cached_len
+    reqs = []
+    for slot, cached_len in batch.items():
+        req = Req(uid=slot, input_ids=[0] * (cached_len + 1), sampling_params=SamplingParams())
+        req.table_idx, req.cached_len = slot, cached_len
+        reqs.append(req)
+    pool.clear_new_requests(reqs)
+    problems = []
+    for slot in range(pool.num_slots):
+        values = _slot_tensors(pool, slot)
+        if batch.get(slot) == 0:
+            if not _is_zero(values):
+                problems.append(f"clear_new_requests: slot {slot} (a new request, cached_len 0) still holds the "
+                                "previous request's state afterwards: does a new request start from zero state?")
+        elif not _equal(values, _slot_tensors(before, slot)):
+            why = (f"a request that continues at cached_len {batch[slot]}" if slot in batch
+                   else "no request of the batch")
+            problems.append(f"clear_new_requests: slot {slot} ({why}) was changed; only a request with "
+                            "cached_len 0 starts from zero")
+    if not problems:
+        problems += _engine_reset_problems(checkpoint)
+    conclude(problems, "new requests start from zero slots, continuing ones from their own, in the pool and in the "
+                       "engine (5 requests through 3 slots, chunked prefill)")
+
+
+def _engine_reset_problems(checkpoint: str | Path, num_slots: int = 3) -> list[str]:
+    """Step the engine and look at the state pool just before each forward (a hook on the model)."""
+    prompts = shared_prompts(checkpoint)
+    llm = _llm(checkpoint, max_running_requests=num_slots, max_prefill_tokens=24)
+    engine, pool = llm.engine, llm.engine.state_pool
+    poison(pool, torch.Generator().manual_seed(3))
+    left_by_last_step = _snapshot(pool)
+    problems: list[str] = []
+
+    def before_forward(model, args) -> None:
+        fb = args[0]
+        for slot, prefix_len in zip(fb.req_slots.tolist(), fb.prefix_lens):
+            values = _slot_tensors(pool, slot)
+            if prefix_len == 0 and not _is_zero(values):
+                problems.append(f"engine: a new request in slot {slot} would start from the state left there "
+                                "(clear_new_requests did not zero it): does a new request start from zero state?")
+            elif prefix_len > 0 and not _equal(values, _slot_tensors(left_by_last_step, slot)):
+                problems.append(f"engine: the request continuing at token {prefix_len} in slot {slot} does not find "
+                                "the state its previous step left there (was its slot cleared?)")
+
+    hook = engine.model.register_forward_pre_hook(before_forward)
+    try:
+        picked = [PROMPT_LENGTHS.index(n) for n in (40, 7, 65, 1, 63)]
+        reqs = [engine.add_request(prompts[i], SamplingParams(max_new_tokens=3)) for i in picked]
+        while not all(req.finished for req in reqs) and not problems:
+            engine.step()
+            left_by_last_step = _snapshot(pool)
+    finally:
+        hook.remove()
+    return problems
+
+
+def _slot_tensors(pool_or_snapshot, slot: int) -> list[torch.Tensor]:
+    """One slot's conv and recurrent states of every GDN layer (views), from a pool or a _snapshot."""
+    if isinstance(pool_or_snapshot, list):
+        layers = pool_or_snapshot
+    else:
+        layers = [(pool_or_snapshot.conv_state(k), pool_or_snapshot.recurrent_state(k))
+                  for k in range(pool_or_snapshot.num_layers)]
+    return [state[slot] for layer in layers for state in layer]
+
+
+def _is_zero(states: list[torch.Tensor]) -> bool:
+    return not any(bool(state.any()) for state in states)
+
+
+def _equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
 
 
 def bfloat16_agreement(checkpoint: str | Path) -> tuple[int, int, int, int]:

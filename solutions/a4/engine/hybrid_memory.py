@@ -7,8 +7,9 @@ A hybrid model (Qwen3.5) pays for memory in two currencies that come out of one 
 
 So a slot is expensive and a token is cheap, and the plan must choose how many of each. Two policies:
 - slots first (`state_fraction=None`, the default): `max_running_requests` slots (fewer if the budget cannot hold
-  them beside one KV page), and everything else as KV pages. `plan_memory` (memory_plan.py) does exactly this once
-  the state is counted in the slot's cost, and the engine calls it directly.
+  them beside the KV of one request of the model's full context, but always one), and everything else as KV pages.
+  `plan_memory` (memory_plan.py) does exactly this once the state is counted in the slot's cost, and the engine
+  calls it directly.
 - a share for the slots (`state_fraction=f`): the slots may take at most f of the budget, so that a large
   `max_running_requests` cannot starve the KV pool; the rest is KV pages. SGLang splits its memory by a ratio the
   same way (`--mamba-full-memory-ratio r` = state bytes / KV bytes, that is f = r / (1 + r)). The engine calls
@@ -81,14 +82,15 @@ def plan_hybrid_memory(
     """Split budget_bytes between request slots (table row + state each) and KV pages of page_size tokens.
 
     - state_fraction None (slots first): as many slots as asked, `max_running_requests`, fewer only if they do not
-      fit beside one KV page; all the rest of the budget becomes KV pages.
+      fit beside the KV of one request of the model's full context (always one); all the rest becomes KV pages.
     - state_fraction f in (0, 1): at most `max_running_requests` slots, and no more than fit whole in
       int(f * budget_bytes) bytes; the rest of the budget, including whatever the slots leave of their share,
       becomes KV pages. If that share cannot hold one slot, raise MemoryPlanError naming state_fraction, the budget
       and the bytes of one slot.
 
-    Either way at least one slot and one page must fit, or MemoryPlanError says why (`plan_memory` checks it: once
-    you know how many slots to ask for, it turns the rest into pages). Use `hybrid_ledger` for the costs.
+    `plan_memory` does the rest once you know how many slots to ask for: it keeps a full-length request's KV,
+    gives the slots that fit beside it, turns the rest into pages, and raises MemoryPlanError when not even one slot
+    and one page fit. Use `hybrid_ledger` for the costs.
     """
     if state_fraction is not None and not 0 < state_fraction < 1:
         raise ValueError(f"state_fraction must be in (0, 1) or None, got {state_fraction!r}")

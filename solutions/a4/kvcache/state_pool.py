@@ -16,6 +16,10 @@ prefill carries it from chunk to chunk because the request keeps its slot, and d
 Unlike KV, a state cannot be cut at a position or shared page by page: it describes everything up to the last token
 fed, and only as a whole. So the only operations on it are whole-slot ones: `clear`, and `save` (a copy,
 `StateCheckpoint`) and `restore`, which a prefix cache of a hybrid model stores and hands back.
+
+Slots are reused: a request admitted into the slot of a finished one finds that request's state there. Before every
+step the engine calls `clear_new_requests`, which zeroes the slots of the requests that start from nothing (like
+SGLang's MambaPool, which zeroes a slot when it hands it out).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+from a4.core import Req
 from a4.models.config import ModelConfig
 
 # The recurrent state is a long running sum of decayed updates: the checkpoints ask for float32
@@ -130,6 +135,22 @@ class StatePool:
         index = torch.as_tensor(list(slots), dtype=torch.int64, device=self.device)
         self._conv[:, index] = 0
         self._recurrent[:, index] = 0
+
+    def clear_new_requests(self, reqs: Sequence[Req]) -> None:
+        """Zero the slot of every request in `reqs` that starts from nothing; leave every other slot as it is.
+
+        The engine calls it with the requests of each step, before the model runs. A slot is reused: the request
+        admitted into it finds the previous request's conv and recurrent states there, and must not continue from
+        another conversation's memory. A request starts from nothing when nothing of it is in the pools yet,
+        `req.cached_len == 0`: clear its slot, `req.table_idx` (`clear` zeroes whole slots). Every other request
+        continues from what its slot holds, which must not change: the next chunk of a chunked prefill, a decode
+        step, or a prefix-cache hit whose saved state the radix cache has just restored into the slot (notebook 07).
+        """
+        # BEGIN SOLUTION state-reset 05_state_pool: zero the slots of the requests that start from nothing
+        new_slots = [req.table_idx for req in reqs if req.cached_len == 0]
+        if new_slots:
+            self.clear(new_slots)
+        # END SOLUTION
 
     def save(self, slot: int) -> StateCheckpoint:
         """A copy of the slot's whole state: every GDN layer's conv and recurrent state (see StateCheckpoint).
