@@ -1,20 +1,7 @@
-# The two commands of the README: `make demo` and `make test`. Both create .venv on first use.
-PYTHON ?= python3
-VENV := .venv
-PY := $(VENV)/bin/python
-# On these Linux machines torch==2.13.0 is a local CPU build; an unpinned torch would pull a multi-GB CUDA build.
-# Elsewhere, install PyTorch first (https://pytorch.org, CPU build is enough) and run `make TORCH= demo`.
-TORCH ?= torch==2.13.0
-STAMP := $(VENV)/.installed
+# The two commands of the README: `make demo` and `make test`. Both create .venv on first use (venv.mk).
+include venv.mk
 
 .PHONY: demo test unit unit-portable notebooks book grade release bench clean
-
-$(STAMP): pyproject.toml
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(if $(TORCH),$(PY) -m pip install -q "$(TORCH)")
-	$(PY) -m pip install -q -e ".[book]"
-	touch $(STAMP)
 
 demo: $(STAMP)
 	A4_SOLUTIONS=1 $(PY) -m a4 demo
@@ -49,11 +36,14 @@ book: $(STAMP)
 		--path-output book --all -W -n --keep-going
 	A4_SOLUTIONS=1 A4_BOOK_HTML=book/_build/html $(PY) -m pytest -q tests/test_book.py
 
-# Grade this checkout's notebooks (your own code: A4_SOLUTIONS is not set); GRADE_ARGS="--notebook 01" for one.
+# Grade a student's handout with this repository's notebooks and check code, against the student's exercise files
+# only: make grade STUDENT=../their-handout (default: this checkout's skeleton); GRADE_ARGS="--notebook 01" for one.
+STUDENT ?= .
 grade: $(STAMP)
-	$(PY) -m a4.course grade . $(GRADE_ARGS)
+	$(PY) -m a4.course grade $(STUDENT) $(GRADE_ARGS)
 
-# The student handout (the repository without solutions/): make release OUT=../a4-handout
+# The student handout (without solutions/, with the student's own Makefile, README, CI and book intro from
+# handout/): make release OUT=../a4-handout
 OUT ?= ../a4-handout
 release: $(STAMP)
 	$(PY) -m a4.course release $(OUT)

@@ -2,7 +2,8 @@
 
 - `demo`: a batch of requests with shared prefixes through the engine (chunked prefill and the prefix cache at work),
   each request's tokens beside transformers' greedy tokens; exits non-zero if any request differs. Tiny Qwen3.5 by
-  default (`--arch qwen3` for the all-attention model).
+  default (`--arch qwen3` for the all-attention model); while Qwen3.5 still meets an exercise that is not written,
+  the default shows what already works (Qwen3) and names that exercise.
 - `generate`: continue prompts given as token ids (`--prompt "1 2 3"`) or as text (`--text`, when the checkpoint
   directory has a tokenizer).
 - `bench <name>`: run a benchmark module of `a4.bench` (all of them without a name).
@@ -20,8 +21,10 @@ import sys
 from pathlib import Path
 
 from a4.core import Output, SamplingParams
+from a4.course.exercises import not_written_yet, stubs, unwritten_exercise
 
 ARCHS = ("qwen3", "qwen3_5", "qwen3_5_moe")
+DEFAULT_ARCH = "qwen3_5"
 DTYPES = ("float32", "bfloat16")
 USAGE_ERROR = 2
 
@@ -46,7 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="{demo,generate,bench}")
 
     demo = commands.add_parser("demo", help="engine vs transformers on a batch with shared prefixes")
-    demo.add_argument("--arch", choices=ARCHS, default="qwen3_5", help="tiny checkpoint to build (default: qwen3_5)")
+    demo.add_argument(
+        "--arch", choices=ARCHS, help="tiny checkpoint to build (default: qwen3_5, or qwen3 while it needs exercises)"
+    )
     demo.add_argument("--model-dir", type=Path, help="a local checkpoint instead of the tiny one")
     demo.add_argument("--dtype", choices=DTYPES, default="float32")
     demo.add_argument("--device", default="cpu")
@@ -125,6 +130,32 @@ def demo_prompts(vocab_size: int, stop_tokens: tuple[int, ...], seed: int = 0) -
 
 
 def run_demo(args: argparse.Namespace) -> int:
+    if args.arch is not None or args.model_dir is not None:
+        try:
+            return demo(args, args.arch or DEFAULT_ARCH)
+        except NotImplementedError as e:
+            print(f"error: {not_written_yet(str(e))}", file=sys.stderr)
+            return 1
+    try:
+        return demo(args, DEFAULT_ARCH)
+    except NotImplementedError as e:
+        if (missing := unwritten_exercise(e)) is None:
+            raise
+    # A student's handout: show what already works, then what to write.
+    print(f"\nQwen3.5 cannot run yet: {not_written_yet(missing)}")
+    print("Meanwhile, the engine serving the all-attention Qwen3, which needs no exercise:\n", flush=True)
+    status = demo(args, "qwen3")
+    left = stubs()
+    print(f"\nQwen3.5 cannot run yet: {not_written_yet(missing)}")
+    if left:
+        first = left[0]
+        print(f"The first exercise to write, in notebook order: {first.id} in {first.where} ({first.text}; "
+              f"notebooks/{first.notebook}.ipynb)")
+    print(f"`python -m a4.course list` shows the {len(left)} exercises still to write.")
+    return status
+
+
+def demo(args: argparse.Namespace, arch: str) -> int:
     from a4.checkpoints import tiny_checkpoint
     from a4.llm import LLM
     from a4.reference import hf_greedy
@@ -132,20 +163,16 @@ def run_demo(args: argparse.Namespace) -> int:
     if args.model_dir is not None:
         model_dir = model_dir_or_fail(args.model_dir)
     else:
-        print(f"building (or reusing) the tiny {args.arch} checkpoint ...", flush=True)
-        model_dir = tiny_checkpoint(args.arch)
-    try:
-        llm = LLM(
-            model_dir,
-            dtype=args.dtype,
-            device=args.device,
-            max_running_requests=args.max_running_requests,
-            max_prefill_tokens=args.max_prefill_tokens,
-            page_size=args.page_size,
-        )
-    except NotImplementedError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+        print(f"building (or reusing) the tiny {arch} checkpoint ...", flush=True)
+        model_dir = tiny_checkpoint(arch)
+    llm = LLM(
+        model_dir,
+        dtype=args.dtype,
+        device=args.device,
+        max_running_requests=args.max_running_requests,
+        max_prefill_tokens=args.max_prefill_tokens,
+        page_size=args.page_size,
+    )
     config = llm.engine.model_config
     prompts = demo_prompts(config.vocab_size, config.eos_token_ids)
     print(f"model: {config.architecture} from {model_dir} ({args.dtype} on {args.device})")
@@ -256,10 +283,18 @@ def run_bench(args: argparse.Namespace) -> int:
     names = [args.name] if args.name else available
     if not names:
         print("no benchmarks in a4/bench yet")
+    waiting = []
     for name in names:
         print(f"== bench {name}", flush=True)
-        importlib.import_module(f"a4.bench.{name.replace('-', '_')}").main(quick=args.quick, out_dir=args.out)
-    return 0
+        try:
+            importlib.import_module(f"a4.bench.{name.replace('-', '_')}").main(quick=args.quick, out_dir=args.out)
+        except NotImplementedError as e:
+            # The benchmarks measure the student's Qwen3.5 code: until it is written, say which exercise is missing.
+            if (missing := unwritten_exercise(e)) is None:
+                raise
+            print(f"bench {name} cannot run yet: {not_written_yet(missing)}")
+            waiting.append(name)
+    return 1 if waiting else 0
 
 
 if __name__ == "__main__":

@@ -1,8 +1,5 @@
-"""The course machinery: solution markers, sync/check, the solutions overlay, notebook rules, release and grade.
-
-The end-to-end test makes a student handout with `release`, grades notebook 01 on it (every check must fail on
-the untouched skeleton), copies the reference solutions over the student files and grades again (every check must
-pass); it also runs the Qwen3 engine in the handout, where no solution exists, against transformers.
+"""The course machinery: solution markers, sync/check, the solutions overlay, notebook rules, the stubs of unwritten
+exercises. The handout and grading are tested end to end in test_handout.py, test_handout_solved.py, test_grade.py.
 """
 
 from __future__ import annotations
@@ -12,25 +9,26 @@ import shutil
 import subprocess
 import sys
 import textwrap
-import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import nbformat
 import pytest
 
 from a4._overlay import REPO_ROOT
-from a4.checkpoints import cache_root
 from a4.course.exercises import (
     MarkerError,
+    all_exercises,
     check,
+    exercise_named_in,
     generated_files,
+    not_written_yet,
     parse_exercises,
-    solution_files,
-    student_path_of,
+    stubs,
     student_source,
     sync,
+    unwritten_exercise,
 )
-from a4.course.notebooks import CellResult, check_cells, read_notebook
+from a4.course.notebooks import CellResult
 from a4.course.verify import lint_notebook, skeleton_violations
 
 SOLUTION = textwrap.dedent(
@@ -217,106 +215,39 @@ def test_skeleton_rules() -> None:
     assert [v.split(":")[0] for v in skeleton_violations(bad)] == ["skeleton"] * 4
 
 
-# ------------------------------------------------------------------------------------------ release, grade, engine
+# ---------------------------------------------------------------------------------------- stubs of unwritten exercises
 
 
-@pytest.fixture(scope="module")
-def handout(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("handout") / "a4-handout"
+def test_the_skeletons_stubs_are_the_exercises_of_the_solutions() -> None:
+    from_solutions = {(e.id, e.notebook, e.text, e.student_path) for e in all_exercises(REPO_ROOT)}
+    assert {(s.id, s.notebook, s.text, s.path) for s in stubs(REPO_ROOT)} == from_solutions
+    notebooks = [stub.notebook for stub in stubs(REPO_ROOT)]
+    assert notebooks == sorted(notebooks)
+
+
+def test_an_unwritten_exercise_is_recognised_through_the_errors_raised_from_it() -> None:
+    message = "Exercise gdn-layer: the layer (notebooks/04_gated_deltanet.ipynb)"
+    try:
+        try:
+            raise NotImplementedError(message)
+        except NotImplementedError as e:
+            raise RuntimeError("the engine failed") from e
+    except RuntimeError as wrapped:
+        assert unwritten_exercise(wrapped) == message
+    assert unwritten_exercise(NotImplementedError("some library's own stub")) is None
+    # Failures that only say it in words: a subprocess's traceback, a command's error line.
+    assert exercise_named_in(f"Traceback (most recent call last):\n  ...\nNotImplementedError: {message}\n") == message
+    assert exercise_named_in(f"error: {not_written_yet(message)}\n") == message
+    assert exercise_named_in("NotImplementedError: some library's own stub") is None
+    reworded = "exercise gdn-layer not written yet: the layer (notebooks/04_gated_deltanet.ipynb)"
+    assert not_written_yet(message) == reworded
+
+
+@pytest.mark.parametrize("command", ["check", "sync", "verify-notebooks"])
+def test_maintainer_commands_say_a_handout_has_nothing_for_them(command: str, tmp_path: Path) -> None:
+    shutil.copytree(REPO_ROOT / "a4", tmp_path / "a4", ignore=shutil.ignore_patterns("__pycache__"))
     run = subprocess.run(
-        [sys.executable, "-m", "a4.course", "release", str(out)],
-        cwd=REPO_ROOT,
-        env=_env(False),
-        capture_output=True,
-        text=True,
-    )
-    assert run.returncode == 0, run.stderr
-    return out
-
-
-def test_release_has_no_solutions_and_clear_notebooks(handout: Path) -> None:
-    assert not (handout / "solutions").exists()
-    skeleton = "a4/models/qwen3_5_config.py"
-    assert (handout / skeleton).read_text() == (REPO_ROOT / skeleton).read_text()
-    for path in (handout / "notebooks").glob("*.ipynb"):
-        for cell in read_notebook(path).cells:
-            assert cell.cell_type != "code" or (not cell.outputs and cell.execution_count is None)
-
-
-def _grade(repo: Path, junit: Path, notebook: str = "01") -> subprocess.Popen:
-    # The handout builds no checkpoint of its own: it shares the repository's cache (keys are content hashes).
-    # Two gradings run at once: one OpenMP thread each keeps them from oversubscribing the cores.
-    env = _env(False, PYTHONPATH=str(repo), A4_CACHE_DIR=str(cache_root().parent), OMP_NUM_THREADS="1")
-    command = [sys.executable, "-m", "a4.course", "grade", str(repo), "--notebook", notebook, "--junit", str(junit)]
-    return subprocess.Popen(command, cwd=repo, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-
-
-def _junit_cases(path: Path) -> dict[str, bool]:
-    """check id -> passed, from the JUnit report."""
-    return {case.get("name"): case.find("failure") is None for case in ET.parse(path).getroot().iter("testcase")}
-
-
-def test_grade_fails_every_check_on_the_skeleton_and_passes_them_with_solutions(handout: Path, tmp_path: Path) -> None:
-    check_ids = check_cells(read_notebook(REPO_ROOT / "notebooks/01_config.ipynb"))
-    assert len(check_ids) >= 4
-    solved = tmp_path / "solved"
-    shutil.copytree(handout, solved)
-    for path in solution_files(REPO_ROOT):
-        shutil.copy(REPO_ROOT / path, solved / student_path_of(path))
-
-    # Both gradings at once: each is mostly waiting for imports in its own kernel.
-    skeleton, graded = _grade(handout, tmp_path / "skeleton.xml"), _grade(solved, tmp_path / "solved.xml")
-    skeleton_out, graded_out = skeleton.communicate()[0], graded.communicate()[0]
-
-    assert skeleton.returncode == 1, skeleton_out
-    for check_id in check_ids:
-        assert f"FAIL  01_config.ipynb::{check_id}" in skeleton_out
-    assert "NotImplementedError: Exercise config-" in skeleton_out
-    assert f"0/{len(check_ids)} checks pass" in skeleton_out
-    assert _junit_cases(tmp_path / "skeleton.xml") == {check_id: False for check_id in check_ids}
-
-    assert graded.returncode == 0, graded_out
-    for check_id in check_ids:
-        assert f"PASS  01_config.ipynb::{check_id}" in graded_out
-    assert f"{len(check_ids)}/{len(check_ids)} checks pass" in graded_out
-    assert _junit_cases(tmp_path / "solved.xml") == {check_id: True for check_id in check_ids}
-
-
-def test_grade_puts_a_syntax_error_in_a_student_file_first_in_every_check(handout: Path, tmp_path: Path) -> None:
-    broken = tmp_path / "broken"
-    shutil.copytree(handout, broken)
-    student_file = broken / "a4/layers/deltanet.py"
-    lines = student_file.read_text().splitlines()
-    line = next(i for i, text in enumerate(lines) if text.startswith("def ")) + 1
-    lines.insert(line - 1, "def broken(:")
-    student_file.write_text("\n".join(lines) + "\n")
-    check_ids = check_cells(read_notebook(REPO_ROOT / "notebooks/04_gated_deltanet.ipynb"))
-
-    grading = _grade(broken, tmp_path / "broken.xml", notebook="04")
-    out = grading.communicate()[0]
-
-    assert grading.returncode == 1, out
-    # The first line of every check names the cause, not the NameError it led to.
-    cause = f"SyntaxError: a4/layers/deltanet.py does not import (line {line}: invalid syntax)"
-    for check_id in check_ids:
-        assert f"FAIL  04_gated_deltanet.ipynb::{check_id}" in out
-    report = [text for text in out.splitlines() if text.startswith("FAIL  04_gated_deltanet.ipynb::")]
-    assert len(report) == len(check_ids) and all(cause in text for text in report), out
-
-
-QWEN3_ON_SKELETON = """
-from a4 import LLM, SamplingParams
-from a4.checkpoints import tiny_checkpoint
-from a4.reference import hf_greedy
-
-checkpoint = tiny_checkpoint("qwen3")
-prompts = [[1, 2, 3, 4, 5], [1, 2, 3, 4, 5, 6, 7, 8, 9]]
-outputs = LLM(checkpoint, max_prefill_tokens=8).generate(prompts, SamplingParams(max_new_tokens=4))
-assert [o.token_ids for o in outputs] == hf_greedy(checkpoint, prompts, 4), outputs
-print("ok")
-"""
-
-
-def test_qwen3_engine_runs_in_the_handout_without_any_solution(handout: Path) -> None:
-    run = _python(QWEN3_ON_SKELETON, handout, solutions=False, A4_CACHE_DIR=str(cache_root().parent))
-    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stdout + run.stderr
+        [sys.executable, "-m", "a4.course", command], cwd=tmp_path, env=_env(False, PYTHONPATH=str(tmp_path)),
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert run.returncode == 2 and "a course maintainer's command, not a handout's" in run.stderr, run.stderr

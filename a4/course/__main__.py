@@ -10,9 +10,22 @@ import a4.course
 from a4._overlay import REPO_ROOT
 
 
+def instructor_only(command: str) -> bool:
+    """True (after saying why) when this is a student handout, where `command` has nothing to work on."""
+    from a4.course.exercises import SOLUTIONS_DIR
+
+    if (REPO_ROOT / SOLUTIONS_DIR).is_dir():
+        return False
+    print(f"{command}: no {SOLUTIONS_DIR}/ in {REPO_ROOT}: a course maintainer's command, not a handout's",
+          file=sys.stderr)  # fmt: skip
+    return True
+
+
 def cmd_sync(args: argparse.Namespace) -> int:
     from a4.course.exercises import MarkerError, sync
 
+    if instructor_only("sync"):
+        return 2
     try:
         changed = sync(REPO_ROOT)
     except MarkerError as e:
@@ -25,10 +38,9 @@ def cmd_sync(args: argparse.Namespace) -> int:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    from a4.course.exercises import SOLUTIONS_DIR, check
+    from a4.course.exercises import check
 
-    if not (REPO_ROOT / SOLUTIONS_DIR).is_dir():
-        print(f"check: no {SOLUTIONS_DIR}/ in {REPO_ROOT} (a student handout has nothing to check)", file=sys.stderr)
+    if instructor_only("check"):
         return 2
     problems = check(REPO_ROOT)
     for problem in problems:
@@ -41,16 +53,17 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 def cmd_list(args: argparse.Namespace) -> int:
-    from a4.course.exercises import MarkerError, all_exercises
+    from a4.course.exercises import stubs
 
-    try:
-        exercises = all_exercises(REPO_ROOT)
-    except MarkerError as e:
-        print(f"list: {e}", file=sys.stderr)
-        return 1
-    exercises = sorted(exercises, key=lambda e: (e.notebook, str(e.solution_path), e.line))
-    rows = [(e.id, f"{e.student_path}:{e.line}", f"notebooks/{e.notebook}.ipynb", e.text) for e in exercises]
+    # The raise lines of the student files: in a handout without solutions/ they are all there is to read, and the
+    # list shrinks as exercises are written.
+    left = stubs(REPO_ROOT)
+    if not left:
+        print("every exercise is written: `python -m a4.course grade` runs every check")
+        return 0
+    rows = [(s.id, s.where, f"notebooks/{s.notebook}.ipynb", s.text) for s in left]
     widths = [max([len(h), *(len(row[i]) for row in rows)]) for i, h in enumerate(("exercise", "file", "notebook"))]
+    print(f"{len(left)} exercises still to write, in notebook order:\n")
     print(f"{'exercise':{widths[0]}}  {'file':{widths[1]}}  {'notebook':{widths[2]}}  what to write")
     for row in rows:
         print(f"{row[0]:{widths[0]}}  {row[1]:{widths[1]}}  {row[2]:{widths[2]}}  {row[3]}")
@@ -61,6 +74,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from a4.course.notebooks import NotebookRunError
     from a4.course.verify import verify
 
+    if instructor_only("verify-notebooks"):
+        return 2
     try:
         return verify(REPO_ROOT, workers=args.workers, prefixes=args.notebook)
     except NotebookRunError as e:
@@ -71,10 +86,12 @@ def cmd_verify(args: argparse.Namespace) -> int:
 def cmd_grade(args: argparse.Namespace) -> int:
     from a4.course.grade import grade
     from a4.course.notebooks import NotebookRunError
+    from a4.course.release import ReleaseError
 
     try:
-        return grade(Path(args.repo), Path(args.junit), prefixes=args.notebook, workers=args.workers)
-    except NotebookRunError as e:
+        limits = {name: value for name in ("timeout", "budget") if (value := getattr(args, name)) is not None}
+        return grade(Path(args.student), Path(args.junit), prefixes=args.notebook, workers=args.workers, **limits)
+    except (NotebookRunError, ReleaseError) as e:
         print(f"grade: {e}", file=sys.stderr)
         return 2
 
@@ -87,7 +104,7 @@ def cmd_release(args: argparse.Namespace) -> int:
     except ReleaseError as e:
         print(f"release: {e}", file=sys.stderr)
         return 1
-    print(f"release: {len(files)} files written to {args.out_dir} (no solutions/)")
+    print(f"release: {len(files)} files written to {args.out_dir} (no solutions/; the student's Makefile and README)")
     return 0
 
 
@@ -98,22 +115,29 @@ def main(argv: list[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("sync", help="regenerate the student files from solutions/").set_defaults(run=cmd_sync)
     commands.add_parser("check", help="fail if a student file is out of date").set_defaults(run=cmd_check)
-    commands.add_parser("list", help="list the exercises").set_defaults(run=cmd_list)
+    commands.add_parser("list", help="the exercises still to write").set_defaults(run=cmd_list)
     verify = commands.add_parser("verify-notebooks", help="notebooks pass on solutions, checks fail on the skeleton")
     verify.add_argument(
         "--notebook", action="append", metavar="PREFIX", help="only notebooks starting with PREFIX (repeatable)"
     )
     verify.add_argument("--workers", type=int, default=2)
     verify.set_defaults(run=cmd_verify)
-    grade = commands.add_parser("grade", help="run a checkout's notebooks and report every check")
-    grade.add_argument("repo", nargs="?", default=".", help="the checkout to grade (default: the current directory)")
+    grade = commands.add_parser(
+        "grade",
+        help="run every check against a student's exercise files (with this repository's notebooks and checks)",
+        description="Run every check against a student's exercise files; a4/course/grade.py says how.",
+    )
+    grade.add_argument("student", nargs="?", default=".", help="the handout to grade (default: the current directory)")
     grade.add_argument("--junit", default="grade-report.xml", help="JUnit XML report (default: %(default)s)")
     grade.add_argument(
         "--notebook", action="append", metavar="PREFIX", help="grade only notebooks starting with PREFIX (repeatable)"
     )
     grade.add_argument("--workers", type=int, default=2)
+    # The defaults live in a4/course/grade.py, which `--help` should not have to import; the report shows them.
+    grade.add_argument("--timeout", type=float, metavar="S", help="seconds per cell (default: grade.CELL_TIMEOUT_S)")
+    grade.add_argument("--budget", type=float, metavar="S", help="seconds for the whole run (default: grade.BUDGET_S)")
     grade.set_defaults(run=cmd_grade)
-    release = commands.add_parser("release", help="write the student handout (no solutions/)")
+    release = commands.add_parser("release", help="write the student handout (no solutions/; the student's Makefile)")
     release.add_argument("out_dir")
     release.set_defaults(run=cmd_release)
     args = parser.parse_args(argv)

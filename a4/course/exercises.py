@@ -10,6 +10,11 @@ The student file `a4/<path>.py` is generated from it: a header comment, then the
 replaced by `raise NotImplementedError("Exercise <id>: <one line> (notebooks/<notebook-stem>.ipynb)")`. Everything
 outside the regions (signatures, docstrings, imports) is kept byte for byte, so the docstrings the student reads
 are the ones the maintainers wrote.
+
+Those `raise` lines are also the markers of what is still to write: `stubs` finds them in the student files, which
+is all a handout (without solutions/) has to list its exercises. `unwritten_exercise` recognises the error one
+raises wherever it surfaces (a test, a notebook cell, the demo), `exercise_named_in` a report of it in words, and
+`not_written_yet` is how the course's commands say it.
 """
 
 from __future__ import annotations
@@ -23,9 +28,10 @@ from a4._overlay import REPO_ROOT
 SOLUTIONS_DIR = "solutions"
 PACKAGE = "a4"
 
+ID = r"[a-z0-9]+(?:-[a-z0-9]+)*"
+NOTEBOOK = r"\d\d_[a-z0-9_]+"
 BEGIN_RE = re.compile(
-    r"^(?P<indent>[ \t]*)# BEGIN SOLUTION (?P<id>[a-z0-9]+(?:-[a-z0-9]+)*) "
-    r"(?P<notebook>\d\d_[a-z0-9_]+): (?P<text>\S.*?)\s*$"
+    rf"^(?P<indent>[ \t]*)# BEGIN SOLUTION (?P<id>{ID}) (?P<notebook>{NOTEBOOK}): (?P<text>\S.*?)\s*$"
 )
 END_RE = re.compile(r"^(?P<indent>[ \t]*)# END SOLUTION\s*$")
 # Any line that mentions a marker must match one of the two patterns above exactly.
@@ -38,6 +44,17 @@ HEADER = (
 )
 # The first line of HEADER, used to recognise generated files whose solution file has gone.
 HEADER_PREFIX = "# GENERATED from solutions/"
+# The message of an unwritten exercise's NotImplementedError (`Exercise.message`; its text is one line without quotes
+# or backslashes, as parse_exercises requires), the line that raises it, a traceback's last line quoting it, and how
+# `not_written_yet` rewords it.
+TEXT = r'[^"\\\n]+'
+MESSAGE_PATTERN = rf"Exercise (?P<id>{ID}): (?P<text>{TEXT}) \(notebooks/(?P<notebook>{NOTEBOOK})\.ipynb\)"
+MESSAGE_RE = re.compile(MESSAGE_PATTERN)
+STUB_RE = re.compile(rf'^[ \t]*raise NotImplementedError\("{MESSAGE_PATTERN}"\)\s*$')
+QUOTED_RE = re.compile(rf"NotImplementedError: {MESSAGE_PATTERN}")
+NOT_WRITTEN_RE = re.compile(
+    rf"exercise (?P<id>{ID}) not written yet: (?P<text>{TEXT}) \(notebooks/(?P<notebook>{NOTEBOOK})\.ipynb\)"
+)
 
 
 class MarkerError(ValueError):
@@ -66,6 +83,21 @@ class Exercise:
     @property
     def message(self) -> str:
         return f"Exercise {self.id}: {self.text} (notebooks/{self.notebook}.ipynb)"
+
+
+@dataclass(frozen=True)
+class Stub:
+    """An exercise still to write: the `raise NotImplementedError("Exercise ...")` line standing in for it."""
+
+    id: str
+    notebook: str
+    text: str
+    path: Path  # the student file, relative to the repository root
+    line: int  # 1-based
+
+    @property
+    def where(self) -> str:
+        return f"{self.path}:{self.line}"
 
 
 def student_path_of(solution_path: Path) -> Path:
@@ -194,3 +226,44 @@ def check(root: Path = REPO_ROOT) -> list[str]:
     for path in orphaned_files(expected, root):
         problems.append(f"{path}: generated file without a reference file in {SOLUTIONS_DIR}/")
     return problems
+
+
+def stubs(root: Path = REPO_ROOT) -> list[Stub]:
+    """The exercises not written yet in the student files under root/a4, in notebook order."""
+    found = []
+    for path in sorted((root / PACKAGE).rglob("*.py")):
+        for number, line in enumerate(path.read_text().splitlines(), start=1):
+            if match := STUB_RE.match(line):
+                found.append(Stub(match["id"], match["notebook"], match["text"], path.relative_to(root), number))
+    return sorted(found, key=lambda stub: (stub.notebook, str(stub.path), stub.line))
+
+
+def unwritten_exercise(error: BaseException) -> str | None:
+    """The message of the unwritten exercise whose NotImplementedError is `error` or an exception it was raised from."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, NotImplementedError) and MESSAGE_RE.fullmatch(str(error)):
+            return str(error)
+        error = error.__cause__ or error.__context__
+    return None
+
+
+def exercise_named_in(text: str) -> str | None:
+    """The message of the first unwritten exercise that `text` reports, in a traceback or as `not_written_yet` says.
+
+    For failures that only tell it in words: a test that ran the code in a subprocess, or a command's error line.
+    """
+    found = [match for pattern in (QUOTED_RE, NOT_WRITTEN_RE) if (match := pattern.search(text))]
+    if not found:
+        return None
+    first = min(found, key=lambda match: match.start())
+    return f"Exercise {first['id']}: {first['text']} (notebooks/{first['notebook']}.ipynb)"
+
+
+def not_written_yet(message: str) -> str:
+    """How a test, a check or the demo says that an exercise is missing: 'exercise <id> not written yet: ...'."""
+    match = MESSAGE_RE.fullmatch(message)
+    if match is None:
+        return message
+    return f"exercise {match['id']} not written yet: {match['text']} (notebooks/{match['notebook']}.ipynb)"

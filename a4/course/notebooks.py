@@ -1,17 +1,19 @@
 """Running a checkout's notebooks under nbval and reading back one result per cell.
 
 Every run is a pytest subprocess: `--nbval-lax --nbval-current-env` (the kernel is this Python; stored outputs are
-never compared, the notebooks store none), the cells named by `a4.course.nbval_plugin`, notebooks spread over
-workers a whole file at a time (`-n N --dist loadfile`: the cells of one notebook share one kernel). The kernel
-inherits the environment: `A4_SOLUTIONS` chooses the reference solutions or the student's code, `PYTHONPATH` makes
-`import a4` load the checkout being run, and an `IPYTHONDIR` whose kernel config turns colours off keeps
-tracebacks readable.
+never compared, the notebooks store none), the cells named and their time bounded by `a4.course.nbval_plugin`,
+notebooks spread over workers a whole file at a time (`-n N --dist loadfile`: the cells of one notebook share one
+kernel). The kernel inherits the environment: `A4_SOLUTIONS` chooses the reference solutions or the student's code,
+`PYTHONPATH` makes `import a4` load the checkout being run, and an `IPYTHONDIR` whose kernel config turns colours
+off keeps tracebacks readable. A run given a budget is killed, with every process it started, if it outlives the
+budget by more than BACKSTOP_S (the plugin's own limits should have ended it); the cells it had finished count.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -20,10 +22,13 @@ from pathlib import Path
 
 import nbformat
 
-from a4.course.nbval_plugin import CHECK_TAG, check_ids_of
+from a4.course.exercises import MESSAGE_RE, not_written_yet
+from a4.course.nbval_plugin import CHECK_TAG, NOT_RUN, TIMEOUT, check_ids_of
 
 NOTEBOOK_GLOB = "[0-9][0-9]_*.ipynb"
+# verify-notebooks' limit per cell: generous, since there a cell that runs long is the course's bug, not a student's.
 CELL_TIMEOUT_S = 600
+BACKSTOP_S = 120
 # pytest exit codes that mean "the run happened" (0: all passed, 1: some cells failed).
 RAN = (0, 1)
 
@@ -50,13 +55,17 @@ class CellResult:
     @property
     def error(self) -> str:
         """The first line of the failure, as a student would read it."""
+        if self.exercise_not_implemented:
+            return not_written_yet(self.evalue)
         first_line = self.evalue.strip().splitlines()[0] if self.evalue.strip() else ""
+        if self.ename in (TIMEOUT, NOT_RUN):
+            return first_line
         return f"{self.ename}: {first_line}" if first_line else self.ename
 
     @property
     def exercise_not_implemented(self) -> bool:
         """The cell failed because it reached an exercise that still raises its NotImplementedError."""
-        return self.ename == "NotImplementedError" and self.evalue.startswith("Exercise ")
+        return self.ename == "NotImplementedError" and MESSAGE_RE.fullmatch(self.evalue) is not None
 
 
 class NotebookRunError(RuntimeError):
@@ -78,13 +87,13 @@ def read_notebook(path: Path) -> nbformat.NotebookNode:
     return nbformat.read(path, as_version=4)
 
 
-def check_cells(notebook: nbformat.NotebookNode) -> list[str]:
-    """The check ids of a notebook's check cells, in order."""
-    return [
-        ids[0]
+def check_cells(notebook: nbformat.NotebookNode) -> dict[str, str]:
+    """A notebook's check cells: check id -> source, in order."""
+    return {
+        ids[0]: cell.source
         for cell in notebook.cells
         if cell.cell_type == "code" and CHECK_TAG in cell.metadata.get("tags", []) and (ids := check_ids_of(cell))
-    ]
+    }
 
 
 def _ipython_dir(parent: Path) -> Path:
@@ -97,42 +106,64 @@ def _ipython_dir(parent: Path) -> Path:
 def run_notebooks(
     notebooks: list[Path],
     repo: Path,
-    solutions: bool | None,
+    solutions: bool,
     workers: int = 2,
-    junit: Path | None = None,
+    timeout: float = CELL_TIMEOUT_S,
+    budget: float | None = None,
+    env: dict[str, str] | None = None,
 ) -> list[CellResult]:
-    """Run notebooks of the checkout `repo` and return every cell's result.
+    """Run notebooks of the checkout `repo` and return the result of every cell that ran.
 
-    solutions: True sets A4_SOLUTIONS=1, False removes it, None keeps the caller's environment.
+    solutions: True sets A4_SOLUTIONS=1, False removes it. timeout: seconds per cell. budget: seconds for the run,
+    after which no cell starts. env: variables to set for the run.
     """
     if not notebooks:
         return []
     with tempfile.TemporaryDirectory(prefix="a4-notebooks-") as tmp:
         results_path = Path(tmp) / "results.jsonl"
-        env = dict(os.environ)
-        if solutions is True:
+        env = {**os.environ, **(env or {})}
+        env.pop("A4_SOLUTIONS", None)
+        if solutions:
             env["A4_SOLUTIONS"] = "1"
-        elif solutions is False:
-            env.pop("A4_SOLUTIONS", None)
         env["PYTHONPATH"] = os.pathsep.join([str(repo), *filter(None, [env.get("PYTHONPATH")])])
         env["IPYTHONDIR"] = str(_ipython_dir(Path(tmp)))
         command = [
             sys.executable, "-m", "pytest",
             "-p", "a4.course.nbval_plugin", "-p", "no:cacheprovider",
-            "--nbval-lax", "--nbval-current-env", f"--nbval-cell-timeout={CELL_TIMEOUT_S}",
+            "--nbval-lax", "--nbval-current-env", f"--nbval-cell-timeout={timeout:g}",
             f"--a4-results={results_path}", f"--rootdir={repo}", "-q", "--tb=no", "--no-header",
         ]  # fmt: skip
+        if budget is not None:
+            command.append(f"--a4-budget={budget:g}")
         if workers > 1 and len(notebooks) > 1:
             command += ["-n", str(min(workers, len(notebooks))), "--dist", "loadfile"]
             # One kernel per worker: several OpenMP threads per kernel would oversubscribe the cores, and tiny-model
             # forwards then run many times slower.
             env.setdefault("OMP_NUM_THREADS", "1")
-        if junit is not None:
-            command.append(f"--junitxml={junit}")
         command += [str(path) for path in notebooks]
-        run = subprocess.run(command, cwd=repo, env=env, capture_output=True, text=True)
-        if run.returncode not in RAN or not results_path.exists():
-            raise NotebookRunError(f"pytest exited with {run.returncode}:\n{run.stdout}\n{run.stderr}")
-        records = [json.loads(line) for line in results_path.read_text().splitlines()]
+        deadline = None if budget is None else budget + timeout + BACKSTOP_S
+        returncode, output = _run_killable(command, repo, env, deadline)
+        killed = returncode is None
+        if not killed and (returncode not in RAN or not results_path.exists()):
+            raise NotebookRunError(f"pytest exited with {returncode}:\n{output}")
+        text = results_path.read_text() if results_path.exists() else ""
+        lines = text.splitlines() if text.endswith("\n") or not killed else text.splitlines()[:-1]
+        records = [json.loads(line) for line in lines]
     results = [CellResult(**record) for record in records]
     return sorted(results, key=lambda r: (r.notebook, r.cell))
+
+
+def _run_killable(command: list[str], cwd: Path, env: dict[str, str], deadline: float | None) -> tuple[int | None, str]:
+    """Run command in its own process group; kill the whole group after `deadline` seconds (returncode None)."""
+    process = subprocess.Popen(
+        command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
+    try:
+        output, _ = process.communicate(timeout=deadline)
+        return process.returncode, output
+    except BaseException as e:  # the deadline, or the user's Ctrl-C: the pytest workers and kernels go too
+        os.killpg(process.pid, signal.SIGKILL)
+        output, _ = process.communicate()
+        if not isinstance(e, subprocess.TimeoutExpired):
+            raise
+        return None, output

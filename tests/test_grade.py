@@ -1,0 +1,175 @@
+"""Grading an instructor can trust: the instructor's notebooks and check code run against the student's exercise
+files only (tampering changes nothing and is reported), every check has a bounded time (a looping exercise is
+reported TIMEOUT and the next check runs, even when the loop ignores the interrupt), the run has a budget, and the
+report and the JUnit file keep one entry per check id, in the groups required / other / optional.
+
+Each grading covers notebook 01 of a handout from `release` (tests/handout_commands.py).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import nbformat
+import pytest
+from handout_commands import environment, make_handout, solve
+
+from a4._overlay import REPO_ROOT
+from a4.course.grade import EXTENSIONS_FROM, REQUIRED_CHECKS
+from a4.course.notebooks import check_cells, notebook_paths, read_notebook
+
+NOTEBOOK = "01_config.ipynb"
+CHECKS = list(check_cells(read_notebook(REPO_ROOT / "notebooks" / NOTEBOOK)))
+
+
+def grade(student: Path, junit: Path, *options: str, notebook: str = "01") -> tuple[int, str]:
+    """`python -m a4.course grade STUDENT` run from the course repository, on one notebook (01 by default)."""
+    command = [sys.executable, "-m", "a4.course", "grade", str(student), "--notebook", notebook, "--junit", str(junit)]
+    env = environment(REPO_ROOT, PYTHONPATH=str(REPO_ROOT))
+    run = subprocess.run([*command, *options], cwd=REPO_ROOT, env=env, capture_output=True, text=True)
+    return run.returncode, run.stdout + run.stderr
+
+
+def report_lines(out: str, notebook: str = NOTEBOOK) -> dict[str, str]:
+    """check id -> its report line (status and why)."""
+    lines = {}
+    for line in out.splitlines():
+        words = line.split()
+        for word in words:
+            if word.startswith(f"{notebook}::"):
+                lines[word.split("::")[1]] = line.strip()
+    return lines
+
+
+def junit_cases(path: Path) -> dict[str, tuple[str, str | None, str | None]]:
+    """check id -> (test suite, failure type or None, student-copy property or None)."""
+    cases = {}
+    for suite in ET.parse(path).getroot().iter("testsuite"):
+        for case in suite.iter("testcase"):
+            failure = case.find("failure")
+            tampered = case.find("properties/property[@name='student-copy']")
+            cases[case.get("name")] = (
+                suite.get("name"),
+                None if failure is None else failure.get("type"),
+                None if tampered is None else tampered.get("value"),
+            )
+    return cases
+
+
+def edit_notebook(path: Path, replace: dict[str, str], delete: set[str]) -> None:
+    notebook = nbformat.read(path, as_version=4)
+    cells = []
+    for cell in notebook.cells:
+        ids = [t.split(":", 1)[1] for t in cell.metadata.get("tags", []) if t.startswith("check:")]
+        if ids and ids[0] in delete:
+            continue
+        if ids and ids[0] in replace:
+            cell.source = replace[ids[0]]
+        cells.append(cell)
+    notebook.cells = cells
+    nbformat.write(notebook, path)
+
+
+def test_required_checks_and_extensions_name_real_checks() -> None:
+    ids = {check_id for path in notebook_paths(REPO_ROOT) for check_id in check_cells(read_notebook(path))}
+    assert REQUIRED_CHECKS <= ids
+    assert any(path.name >= EXTENSIONS_FROM for path in notebook_paths(REPO_ROOT))
+
+
+def test_tampered_handout_is_graded_with_the_instructors_notebooks_and_checks(tmp_path: Path) -> None:
+    # The skeleton, with the tampering that used to pass: a check cell emptied to print("PASSED"), another deleted,
+    # and a check helper that passes whatever it is given.
+    student = make_handout(tmp_path)
+    notebook = student / "notebooks" / NOTEBOOK
+    edit_notebook(notebook, replace={"config-parsing": 'print("PASSED")'}, delete={"config-errors"})
+    helper = student / "a4/course/checks/config.py"
+    passes_all = "def check_rotary_dims(*args):\n    return\n\n\ndef _replaced("
+    helper.write_text(helper.read_text().replace("def check_rotary_dims(", passes_all, 1))
+
+    status, out = grade(student, tmp_path / "tampered.xml")
+
+    assert status == 1, out
+    lines = report_lines(out)
+    assert set(lines) == set(CHECKS), out  # the deleted check still has its line
+    assert all(line.startswith("FAIL") and "not written yet" in line for line in lines.values()), out
+    assert "student's cell altered" in lines["config-parsing"] and "student's cell missing" in lines["config-errors"]
+    assert "a4/course/checks/config.py: differs" in out
+    assert f"required 0/{len(REQUIRED_CHECKS & set(CHECKS))}" in out
+    cases = junit_cases(tmp_path / "tampered.xml")
+    assert set(cases) == set(CHECKS)
+    assert cases["config-parsing"] == ("a4-required", "FAIL", "altered")
+    assert cases["config-errors"] == ("a4-other", "FAIL", "missing")
+
+
+LOOPS = {
+    # Loops on one input of the layer-pattern check only; an ordinary interrupt stops it. (Both loops sleep rather
+    # than spin, to leave the cores to the other tests.)
+    "# BEGIN SOLUTION config-layer-types": (
+        "    while text.get('full_attention_interval') == 3:\n"
+        "        __import__('time').sleep(0.01)\n"
+    ),
+    # Loops on one input of the RoPE check only, prints all along and swallows the interrupt: its kernel is killed.
+    "# BEGIN SOLUTION config-partial-rope": (
+        "    while text.get('head_dim') == 128:\n"
+        "        try:\n"
+        "            print('still going')\n"
+        "            __import__('time').sleep(0.01)\n"
+        "        except KeyboardInterrupt:\n"
+        "            pass\n"
+    ),
+}  # fmt: skip
+
+
+def test_looping_exercises_time_out_and_grading_goes_on(tmp_path: Path) -> None:
+    student = make_handout(tmp_path)
+    solve(student)
+    config = student / "a4/models/qwen3_5_config.py"
+    source = config.read_text()
+    for marker, loop in LOOPS.items():
+        source = source.replace(f"    {marker}", f"{loop}    {marker}", 1)
+    config.write_text(source)
+
+    status, out = grade(student, tmp_path / "loop.xml", "--timeout", "20")
+
+    assert status == 1, out
+    lines = report_lines(out)
+    patterns = lines["config-layer-patterns"]
+    assert patterns.startswith("TIMEOUT") and "TIMEOUT after 20 s, stopped in a4/models/qwen3_5_config.py" in patterns
+    assert "TIMEOUT after 20 s" in lines["config-rope"] and "it was killed, and restarted" in lines["config-rope"], out
+    # The checks after the loops run, the last ones in the kernel started after the RoPE loop was killed.
+    for check_id in set(CHECKS) - {"config-layer-patterns", "config-rope"}:
+        assert lines[check_id].startswith("PASS"), out
+    assert junit_cases(tmp_path / "loop.xml")["config-rope"][1] == "TIMEOUT"
+
+
+def test_checks_after_the_budget_are_reported_not_run(tmp_path: Path) -> None:
+    status, out = grade(make_handout(tmp_path), tmp_path / "budget.xml", "--budget", "0")
+
+    assert status == 1, out
+    lines = report_lines(out)
+    assert set(lines) == set(CHECKS)
+    assert all(line.startswith("NOT RUN") and "budget of 0 s" in line for line in lines.values()), out
+    assert {case[1] for case in junit_cases(tmp_path / "budget.xml").values()} == {"NOT RUN"}
+
+
+def test_a_syntax_error_in_a_student_file_is_the_first_line_of_every_check(tmp_path: Path) -> None:
+    """The cause first, not the NameError it leads to in every check cell after the import."""
+    handout = make_handout(tmp_path)
+    student_file = handout / "a4/layers/deltanet.py"
+    lines = student_file.read_text().splitlines()
+    line = next(i for i, text in enumerate(lines) if text.startswith("def ")) + 1
+    lines.insert(line - 1, "def broken(:")
+    student_file.write_text("\n".join(lines) + "\n")
+    notebook = "04_gated_deltanet.ipynb"
+    check_ids = check_cells(read_notebook(REPO_ROOT / "notebooks" / notebook))
+
+    code, out = grade(handout, tmp_path / "broken.xml", notebook="04")
+
+    assert code == 1, out
+    cause = f"a4/layers/deltanet.py does not import (line {line}: invalid syntax)"
+    report = report_lines(out, notebook)
+    assert sorted(report) == sorted(check_ids), out
+    assert all(line.startswith("FAIL") and cause in line for line in report.values()), out
