@@ -170,6 +170,6 @@ def test_a_syntax_error_in_a_student_file_is_the_first_line_of_every_check(tmp_p
 
     assert code == 1, out
     cause = f"a4/layers/deltanet.py does not import (line {line}: invalid syntax)"
-    report = report_lines(out, notebook)
-    assert sorted(report) == sorted(check_ids), out
-    assert all(line.startswith("FAIL") and cause in line for line in report.values()), out
+    report = {check: line for check, line in report_lines(out, notebook).items() if line.startswith("FAIL")}
+    assert set(check_ids) <= set(report), out
+    assert all(cause in line for line in report.values()), out
