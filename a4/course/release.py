@@ -31,9 +31,6 @@ TESTS_DIR = "tests"
 STUDENT_TESTS = frozenset(
     {
         "conftest.py",
-        "helpers.py",
-        "layer_checks.py",
-        "model_checks.py",
         "test_environment.py",
         "test_config.py",
         "test_qwen3_5_weights.py",
