@@ -1,9 +1,10 @@
 """Grading an instructor can trust: the instructor's notebooks and check code run against the student's exercise
 files only (tampering changes nothing and is reported), every check has a bounded time (a looping exercise is
-reported TIMEOUT and the next check runs, even when the loop ignores the interrupt), the run has a budget, and the
-report and the JUnit file keep one entry per check id, in the groups required / other / optional.
+reported TIMEOUT and the next check runs, even when the loop ignores the interrupt), the run and each notebook have
+a budget, and the report and the JUnit file keep one entry per check id, in the groups required / other / optional.
 
-Each grading covers notebook 01 of a handout from `release` (tests/handout_commands.py).
+Each grading covers notebook 01 of a handout from `release` (tests/handout_commands.py); the budget per notebook is
+tested on two small notebooks of its own.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from handout_commands import environment, make_handout, solve
 
 from a4._overlay import REPO_ROOT
 from a4.course.grade import EXTENSIONS_FROM, REQUIRED_CHECKS
-from a4.course.notebooks import check_cells, notebook_paths, read_notebook
+from a4.course.nbval_plugin import NOT_RUN, TIMEOUT
+from a4.course.notebooks import check_cells, notebook_paths, read_notebook, run_notebooks
 
 NOTEBOOK = "01_config.ipynb"
 CHECKS = list(check_cells(read_notebook(REPO_ROOT / "notebooks" / NOTEBOOK)))
@@ -173,3 +175,29 @@ def test_a_syntax_error_in_a_student_file_is_the_first_line_of_every_check(tmp_p
     report = {check: line for check, line in report_lines(out, notebook).items() if line.startswith("FAIL")}
     assert set(check_ids) <= set(report), out
     assert all(cause in line for line in report.values()), out
+
+
+def small_notebook(path: Path, *cells: tuple[str, str | None]) -> Path:
+    """A notebook of code cells, each (source, check id or None)."""
+    code = [nbformat.v4.new_code_cell(src, metadata={"tags": ["check", f"check:{i}"]} if i else {}) for src, i in cells]
+    nbformat.write(nbformat.v4.new_notebook(cells=[nbformat.v4.new_markdown_cell("# A notebook"), *code]), path)
+    return path
+
+
+def test_a_notebook_that_spends_its_budget_leaves_the_next_notebook_its_own(tmp_path: Path) -> None:
+    looping = small_notebook(
+        tmp_path / "01_loops.ipynb",
+        ("x = 1", None),
+        ("import time\nwhile True:\n    time.sleep(0.01)", "loops"),
+        ("assert x == 1", "after-the-loop"),
+    )
+    fine = small_notebook(tmp_path / "02_fine.ipynb", ("y = 2", None), ("assert y == 2", "fine"))
+
+    # One worker: the second notebook runs after the first, on the same clock.
+    results = run_notebooks([looping, fine], tmp_path, solutions=False, workers=1, timeout=3, notebook_budget=1.5)
+
+    outcomes = {r.name: (r.ename, r.evalue) for r in results if r.check_id}
+    assert outcomes["01_loops.ipynb::loops"] == (TIMEOUT, "TIMEOUT after 3 s")
+    spent = "NOT RUN: the budget of 1.5 s for this notebook was spent"
+    assert outcomes["01_loops.ipynb::after-the-loop"] == (NOT_RUN, spent)
+    assert outcomes["02_fine.ipynb::fine"] == ("", "")

@@ -9,8 +9,10 @@ its read-only test cells), and so is every other file of `a4/` that differs. Run
 
 Time: each cell, checks included, has `timeout` seconds (default CELL_TIMEOUT_S: the slowest reference cell with a
 wide margin); a looping exercise is interrupted, its check reported `TIMEOUT after N s`, and the next check runs.
-Cells that would start once `budget` seconds are spent are reported `NOT RUN`. Every check of the notebooks graded
-gets a line, read from the notebooks before the run, so a run cut short never shrinks the total.
+Cells that would start once `budget` seconds are spent are reported `NOT RUN`, and so are those of a notebook that
+has spent its share of the budget (`notebook_share`): an exercise that loops in every cell of one notebook leaves
+the other notebooks their time. Every check of the notebooks graded gets a line, read from the notebooks before the
+run, so a run cut short never shrinks the total.
 
 The report groups the checks: REQUIRED_CHECKS (the assignment's four checks: config parsing, weight loading, greedy
 decoding equal to transformers in four settings, the prefix cache), the other checks, and the optional extensions
@@ -75,6 +77,11 @@ class Graded:
         if self.notebook >= EXTENSIONS_FROM:
             return "optional"
         return "required" if self.check_id in REQUIRED_CHECKS else "other"
+
+
+def notebook_share(budget: float, workers: int, notebooks: int) -> float:
+    """Each notebook's share of the run's budget, with `workers` notebooks running side by side."""
+    return budget * min(workers, notebooks) / notebooks
 
 
 def tampered_checks(notebooks: list[Path], student: Path) -> tuple[dict[str, str], list[str]]:
@@ -224,12 +231,13 @@ def grade(
             print(f"no notebooks to grade in {workspace / 'notebooks'}")
             return 1
         expected = [(path.name, check_id) for path in notebooks for check_id in check_cells(read_notebook(path))]
-        print(f"{len(notebooks)} notebooks, {len(expected)} checks, {timeout:g} s per cell, {budget:g} s in all ...",
-              flush=True)  # fmt: skip
+        share = notebook_share(budget, workers, len(notebooks))
+        print(f"{len(notebooks)} notebooks, {len(expected)} checks; {timeout:g} s per cell, {share:g} s per notebook, "
+              f"{budget:g} s in all ...", flush=True)  # fmt: skip
         # The checkpoint cache is keyed by content: the workspace shares this repository's.
         results = run_notebooks(
             notebooks, workspace, solutions=False, workers=workers, timeout=timeout, budget=budget,
-            env={"A4_CACHE_DIR": str(cache_root().parent)},
+            notebook_budget=share, env={"A4_CACHE_DIR": str(cache_root().parent)},
         )  # fmt: skip
     by_name = {r.name: r for r in results if r.check_id}
     checks = [

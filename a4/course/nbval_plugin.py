@@ -6,9 +6,11 @@ Load it with `pytest -p a4.course.nbval_plugin --nbval-lax --nbval-cell-timeout 
   so reports read `notebooks/05_state_pool.ipynb::decode-varlen`.
 - Time: nbval interrupts the kernel once a cell has run S seconds. Such a cell is reported `TIMEOUT after S s`, with
   where the interrupt found the code, and the cells after it still run (nbval would mark them all as expected
-  failures). A kernel that ignores the interrupt is killed GRACE_S later; the next cell then starts a new kernel and
-  first replays the cells that had completed before, so that it finds the notebook's state. With `--a4-budget B`, a
-  cell that would start after B seconds of the run is reported `NOT RUN` instead.
+  failures). A kernel that does not stop at the interrupt is shut down: by nbval once it falls silent, or by a
+  watchdog GRACE_S later if it keeps printing. The next cell then starts a new kernel and first replays the cells
+  that had completed before, so that it finds the notebook's state. With `--a4-budget B`, a cell that would start
+  after B seconds of the run is reported `NOT RUN` instead; with `--a4-notebook-budget N`, so is a cell that would
+  start after N seconds of its notebook, so that one notebook's timeouts cannot leave another unrun.
 - Results: with `--a4-results PATH`, one JSON line per cell (its notebook, cell number, check id, outcome and the
   error it raised) is written to PATH: `a4.course.notebooks` reads it back.
 """
@@ -19,6 +21,7 @@ import json
 import re
 import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +37,7 @@ GRACE_S = 10
 TIMEOUT = "Timeout"
 NOT_RUN = "NotRun"
 # A frame of an IPython traceback in the package: "File /tmp/x/a4/layers/deltanet.py:215, in intra_chunk(...)".
-A4_FRAME = re.compile(r"File \S*?/(?P<path>a4/\S+\.py):(?P<line>\d+), in (?P<function>\w+)")
+A4_FRAME = re.compile(r"File \S*/(?P<path>a4/\S+\.py):(?P<line>\d+), in (?P<function>\w+)")
 
 _started = time.monotonic()
 
@@ -48,6 +51,9 @@ def check_ids_of(cell: Any) -> list[str]:
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--a4-results", metavar="PATH", help="write one JSON line per notebook cell result to PATH")
     parser.addoption("--a4-budget", type=float, metavar="S", help="run no cell once S seconds of the run are spent")
+    parser.addoption(
+        "--a4-notebook-budget", type=float, metavar="S", help="run no cell of a notebook once S seconds of it are spent"
+    )
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -85,9 +91,8 @@ class BoundedCell(IPyNbCell):
         """Nothing: nbval's setup marks every cell after a timeout as an expected failure; here they all run."""
 
     def runtest(self) -> None:
-        budget = self.config.getoption("a4_budget")
-        if budget is not None and time.monotonic() - _started > budget:
-            self.override = (NOT_RUN, f"NOT RUN: the budget of {budget:g} s for the whole run was spent", "")
+        if spent := self.budget_spent():
+            self.override = (NOT_RUN, f"NOT RUN: {spent}", "")
             raise Stopped(self.override[1])
         if not self.parent.kernel.is_alive():
             self.restart_kernel()
@@ -98,7 +103,7 @@ class BoundedCell(IPyNbCell):
             failure = e
         if not self.parent.timed_out:
             if self.check_id is None:  # it ran to its end, passed or failed: it may have built state later cells use
-                _completed(self.parent).append(self)
+                _run_of(self.parent).completed.append(self)
             if failure is not None:
                 raise failure
             return
@@ -111,6 +116,16 @@ class BoundedCell(IPyNbCell):
             message += " (the kernel did not stop at the interrupt: it was killed, and restarted for the next cell)"
         self.override = (TIMEOUT, message, traceback)
         raise Stopped(self.override[1])
+
+    def budget_spent(self) -> str:
+        """Why this cell may not start ('' when it may): the run's or its notebook's budget is spent."""
+        now = time.monotonic()
+        budget, share = self.config.getoption("a4_budget"), self.config.getoption("a4_notebook_budget")
+        if budget is not None and now - _started > budget:
+            return f"the budget of {budget:g} s for the whole run was spent"
+        if share is not None and now - _run_of(self.parent).started > share:
+            return f"the budget of {share:g} s for this notebook was spent"
+        return ""
 
     def run_bounded(self) -> None:
         """nbval's run of the cell (it sets the notebook's `timed_out`); a kernel that will not stop is killed."""
@@ -129,20 +144,28 @@ class BoundedCell(IPyNbCell):
         if hasattr(notebook.kernel, "km"):  # dead, but not shut down by nbval
             notebook.kernel.stop()
         notebook.setup()
-        for cell in _completed(notebook):
+        for cell in _run_of(notebook).completed:
             try:
                 cell.run_bounded()
-            except Exception:  # noqa: BLE001 - it failed the first time too; the cell being run reports its own error
+            except Exception:  # noqa: BLE001 - the state is rebuilt as far as it can be; the cell run next reports
                 pass
 
     def errors(self) -> list[dict[str, Any]]:
         return [out for out in self.test_outputs or [] if out.get("output_type") == "error"]
 
 
-def _completed(notebook: pytest.Collector) -> list[BoundedCell]:
-    if not hasattr(notebook, "a4_completed"):
-        notebook.a4_completed = []
-    return notebook.a4_completed
+@dataclass
+class NotebookRun:
+    """What the plugin keeps per notebook: when its first cell started, and the cells that ran to their end."""
+
+    started: float = field(default_factory=time.monotonic)
+    completed: list[BoundedCell] = field(default_factory=list)
+
+
+def _run_of(notebook: pytest.Collector) -> NotebookRun:
+    if not hasattr(notebook, "a4_run"):
+        notebook.a4_run = NotebookRun()
+    return notebook.a4_run
 
 
 def _kill(kernel: Any) -> None:

@@ -110,12 +110,13 @@ def run_notebooks(
     workers: int = 2,
     timeout: float = CELL_TIMEOUT_S,
     budget: float | None = None,
+    notebook_budget: float | None = None,
     env: dict[str, str] | None = None,
 ) -> list[CellResult]:
     """Run notebooks of the checkout `repo` and return the result of every cell that ran.
 
-    solutions: True sets A4_SOLUTIONS=1, False removes it. timeout: seconds per cell. budget: seconds for the run,
-    after which no cell starts. env: variables to set for the run.
+    solutions: True sets A4_SOLUTIONS=1, False removes it. timeout: seconds per cell. budget, notebook_budget:
+    seconds for the run and for each notebook, after which no cell starts. env: variables to set for the run.
     """
     if not notebooks:
         return []
@@ -135,6 +136,8 @@ def run_notebooks(
         ]  # fmt: skip
         if budget is not None:
             command.append(f"--a4-budget={budget:g}")
+        if notebook_budget is not None:
+            command.append(f"--a4-notebook-budget={notebook_budget:g}")
         if workers > 1 and len(notebooks) > 1:
             command += ["-n", str(min(workers, len(notebooks))), "--dist", "loadfile"]
             # One kernel per worker: several OpenMP threads per kernel would oversubscribe the cores, and tiny-model
