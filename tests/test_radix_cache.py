@@ -155,6 +155,38 @@ def test_evict_keeps_locked_paths_intact_under_random_traffic():
         assert cache.evictable_size + cache.protected_size == tree_tokens(cache)
 
 
+@pytest.mark.parametrize("page_size", [1, 2])
+def test_subclass_interface_agrees_with_brute_force(page_size):
+    """What a subclass builds on (HybridRadixCache): match_node, a node's path and on_evict, called once for each
+    node that evict removes, which can then never match again."""
+    evicted_nodes = []
+
+    class Recording(RadixCache):
+        def on_evict(self, node):
+            evicted_nodes.append((node.path_token_ids(), node.value.tolist()))
+
+    rng = random.Random(page_size)
+    cache, naive = Recording(page_size), NaivePrefixCache(page_size)
+    next_location = 0
+    for _ in range(60):
+        ids = [rng.randrange(3) for _ in range(rng.randrange(0, 16))]
+        locations = list(range(next_location, next_location + len(ids)))
+        next_location += len(ids)
+        cache.insert_prefix(ids, torch.tensor(locations))
+        naive.insert(ids, locations)
+        probe = [rng.randrange(3) for _ in range(rng.randrange(0, 16))]
+        node, matched_len = cache.match_node(probe)
+        assert matched_len == cache.align_down(matched_len) == naive.stored_prefix_len(probe)
+        assert node.path_token_ids() == probe[:matched_len]
+        assert node.path_locations().tolist() == naive.locations(probe, matched_len)
+
+    evicted = cache.evict(cache.evictable_size // 2).tolist()
+    assert sorted(location for _, locations in evicted_nodes for location in locations) == sorted(evicted)
+    for ids, locations in evicted_nodes:
+        assert locations == naive.locations(ids, len(ids))[len(ids) - len(locations) :]
+        assert cache.match_prefix(ids).handle.cached_len < len(ids)
+
+
 def test_page_aligned_insert_and_match():
     cache = RadixCache(page_size=4)
     result = cache.insert_prefix(list(range(10)), torch.arange(100, 110))
