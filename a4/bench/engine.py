@@ -33,8 +33,8 @@ from pathlib import Path
 import torch
 
 from a4.checkpoints import make_checkpoint
+from a4.dtypes import DTYPES
 
-DTYPES = ("float32", "bfloat16")
 SYSTEMS = ("a4", "transformers")
 WORKLOADS = ("prefill", "decode batch 1", "decode batch 8")
 

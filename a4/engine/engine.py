@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from a4.core import Batch, ForwardBatch, Req, SamplingParams
+from a4.dtypes import resolve_dtype
 from a4.engine.memory_plan import MemoryLedger, MemoryPlan, MemoryPlanError, default_budget_bytes, plan_memory
 from a4.engine.sampling import Sampler
 from a4.kvcache.allocator import PageAllocator
@@ -40,7 +41,6 @@ from a4.scheduler.cache import CacheManager
 from a4.scheduler.scheduler import Scheduler
 from a4.scheduler.table import TableManager
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # How the prefix cache serves a hybrid model: "checkpoint" (hits only where a copy of the state was saved, notebook
 # 07) or "refuse" (no hits at all: always correct, never faster).
 HYBRID_PREFIX_POLICIES = ("checkpoint", "refuse")
@@ -70,8 +70,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if not Path(self.model_dir).is_dir():
             raise ValueError(f"model_dir {str(self.model_dir)!r} is not a directory")
-        if self.dtype not in DTYPES and self.dtype not in DTYPES.values():
-            raise ValueError(f"unknown dtype {self.dtype!r} (expected one of {sorted(DTYPES)})")
+        resolve_dtype(self.dtype)
         usable_device(self.device)
         for name in ("max_running_requests", "max_prefill_tokens", "page_size"):
             value = getattr(self, name)
@@ -101,7 +100,7 @@ class EngineConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return DTYPES.get(self.dtype, self.dtype)
+        return resolve_dtype(self.dtype)
 
     @property
     def torch_device(self) -> torch.device:

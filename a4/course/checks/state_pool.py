@@ -26,6 +26,7 @@ from a4.core import Output, SamplingParams
 from a4.course.checks import CheckFailed, conclude
 from a4.course.checks._earlier import ENGINE, after_notebooks
 from a4.course.checks.config import QWEN3_5_PRESETS
+from a4.dtypes import DTYPES
 from a4.models.config import LINEAR_ATTENTION, parse_config
 
 # Prompt lengths of every engine check: a single token, lengths just before, at and after a boundary of the GDN
@@ -36,7 +37,6 @@ PROMPT_LENGTHS = (1, 7, 40, 63, 64, 65, 130, 300)
 MAX_NEW_TOKENS = 6
 # Prefill budgets of the chunked check: each cuts some prompts before, at or after a GDN chunk boundary.
 CHUNK_BUDGETS = (1, 7, 63, 64, 65)
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 # ------------------------------------------------------------------------------------------- sizes from config.json
