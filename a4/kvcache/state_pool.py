@@ -6,7 +6,7 @@
 A full-attention layer stores K and V for every token (the KV pool). A Gated DeltaNet (GDN) layer folds everything a
 request has seen into a state of fixed size: the last K-1 inputs of its causal conv, and one dk x dv matrix per value
 head. The StatePool holds that state for every request slot, beside the KV pool and indexed by the same slot as the
-request's row of `req_to_token` (`Req.table_idx`, `ForwardBatch.req_slots`), like SGLang's MambaPool inside its
+request's row of `req_to_token` (`Req.table_idx`, `ForwardBatch.slots`), like SGLang's MambaPool inside its
 HybridReqToTokenPool. One buffer per kind of state, layer first, as KVPool keeps one buffer for all its layers:
 
     conv states       [num_gdn_layers, num_slots, conv_dim, K-1]   model dtype

@@ -482,7 +482,7 @@ def _engine_reset_problems(checkpoint: str | Path, num_slots: int = 3) -> list[s
 
     def before_forward(model, args) -> None:
         fb = args[0]
-        for slot, prefix_len in zip(fb.req_slots.tolist(), fb.prefix_lens):
+        for slot, prefix_len in zip(fb.slots.tolist(), fb.prefix_lens):
             values = _slot_tensors(pool, slot)
             if prefix_len == 0 and not _is_zero(values):
                 problems.append(f"engine: a new request in slot {slot} would start from the state left there "
