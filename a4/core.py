@@ -75,8 +75,8 @@ class Req:
     uid: int
     input_ids: list[int]
     sampling_params: SamplingParams
-    # Row of the request-slot table (req_to_token) and of the state pool; -1 until admitted.
-    table_idx: int = -1
+    # The request's slot: its row of the request-slot table (req_to_token) and of the state pool; None until admitted.
+    slot: int | None = None
     cached_len: int = 0
     # Positions [0, kv_allocated_len) have KV locations in the request's row, on whole pages. A step allocates before
     # its forward, so this runs ahead of cached_len until the step is booked: what an aborted request gives back.
@@ -90,6 +90,10 @@ class Req:
     # the step or the call that ran it, or the caller aborted it: `error` says which); None while it runs.
     finish_reason: FinishReason | None = None
     error: str | None = None
+
+    @property
+    def admitted(self) -> bool:
+        return self.slot is not None
 
     @property
     def all_ids(self) -> list[int]:

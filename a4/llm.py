@@ -45,6 +45,7 @@ class LLM:
         state_fraction: float | None = None,
         hybrid_prefix_policy: str = "checkpoint",
         max_state_checkpoints: int = 16,
+        cuda_graphs: bool | None = None,
     ) -> None:
         self.engine = Engine(
             EngineConfig(
@@ -59,6 +60,7 @@ class LLM:
                 state_fraction=state_fraction,
                 hybrid_prefix_policy=hybrid_prefix_policy,
                 max_state_checkpoints=max_state_checkpoints,
+                cuda_graphs=cuda_graphs,
             )
         )
 

@@ -381,7 +381,7 @@ class Engine:
         if batch.phase == "decode" and self.graph_runner is not None:
             logits = self.graph_runner.forward(
                 input_ids=[req.all_ids[req.cached_len] for req in batch.reqs],
-                slots=[req.table_idx for req in batch.reqs],
+                slots=[req.slot for req in batch.reqs],
                 positions=[req.cached_len for req in batch.reqs],
             )
         else:
@@ -414,7 +414,7 @@ class Engine:
                 sample_indices.append(len(input_ids) - 1)
         return ForwardBatch.build(
             input_ids=input_ids,
-            slots=[req.table_idx for req in batch.reqs],
+            slots=[req.slot for req in batch.reqs],
             prefix_lens=[req.cached_len for req in batch.reqs],
             extend_lens=list(batch.extend_lens),
             sample_indices=sample_indices,
