@@ -93,3 +93,38 @@ def test_cuda_graphs_need_cuda_and_a_bool(tiny_qwen3):
     with pytest.raises(ValueError, match="cuda_graphs must be True, False or None"):
         LLM(tiny_qwen3, cuda_graphs="yes")
     assert LLM(tiny_qwen3).engine.graph_runner is None  # the CPU's default: plain eager decode
+
+
+def test_attention_metadata_is_prepared_once_per_step(tiny_qwen3_5, monkeypatch):
+    # The context is built once per step and every attention layer reads it: its metadata is never rebuilt per layer.
+    from a4.layers.attention import TorchAttnBackend
+
+    llm = LLM(tiny_qwen3_5, max_prefill_tokens=16)
+    prepared = []
+    original = TorchAttnBackend.prepare
+    monkeypatch.setattr(TorchAttnBackend, "prepare", lambda self, fb: prepared.append(fb.phase) or original(self, fb))
+    llm.generate([PROMPTS[3]], SamplingParams(max_new_tokens=4))
+    stats = llm.stats
+    assert len(llm.engine.model_config.full_attention_layers) > 1
+    # 40 prompt tokens in chunks of 16: 3 prefill steps, then 3 decode steps (the first token comes with the prefill).
+    assert prepared == ["prefill"] * stats.prefill_steps + ["decode"] * stats.decode_steps
+
+
+@pytest.mark.parametrize(
+    ("prefix_lens", "extend_lens", "phase"),
+    [([5, 9], [1, 1], "decode"), ([0, 9], [1, 1], "prefill"), ([5, 9], [1, 2], "prefill"), ([0], [7], "prefill")],
+)
+def test_a_decode_step_is_one_token_after_a_prefix_for_every_request(prefix_lens, extend_lens, phase):
+    from a4.core import ForwardBatch
+
+    table = torch.arange(2 * 16).reshape(2, 16)
+    fb = ForwardBatch.build(
+        input_ids=[0] * sum(extend_lens), slots=[1, 0][: len(prefix_lens)], prefix_lens=prefix_lens,
+        extend_lens=extend_lens, sample_indices=[], req_to_token=table, kv_pool=None,
+    )  # fmt: skip
+    assert fb.phase == phase
+    positions = [p for start, n in zip(prefix_lens, extend_lens) for p in range(start, start + n)]
+    slots = [s for s, n in zip([1, 0], extend_lens) for _ in range(n)]
+    assert fb.out_cache_loc.tolist() == [16 * s + p for s, p in zip(slots, positions)]
+    assert fb.seq_lens.tolist() == [p + n for p, n in zip(prefix_lens, extend_lens)]
+    assert fb.cu_seqlens.tolist() == [sum(extend_lens[:i]) for i in range(len(extend_lens) + 1)]
