@@ -8,13 +8,17 @@ between the captured buckets. bfloat16 is compared by agreement, printed (roundi
 
 from __future__ import annotations
 
+import json
+import os
 import random
+import subprocess
+import sys
 
 import pytest
 import torch
 
 from a4 import LLM, SamplingParams
-from a4.reference import hf_greedy
+from a4._overlay import REPO_ROOT
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -23,10 +27,26 @@ _rng = random.Random(11)
 PROMPTS = [[_rng.randrange(1000) for _ in range(n)] for n in (1, 2, 7, 31, 64, 65, 100, 130, 5, 48, 3)]
 
 
+def hf_greedy_without_fla(ckpt, prompts: list[list[int]], max_new_tokens: int, dtype: str = "float32") -> list:
+    """transformers' greedy generation on the CPU with its own torch GDN code: in a process where
+    flash-linear-attention cannot be imported (where it can, transformers swaps its kernels in, and a4's GPU prefill
+    uses them too: the reference would no longer be independent)."""
+    code = (
+        "import sys, json; sys.modules['fla'] = None\n"
+        "from a4.reference import hf_greedy\n"
+        f"print(json.dumps(hf_greedy({str(ckpt)!r}, {prompts!r}, {max_new_tokens}, {dtype!r})))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=os.environ | {"CUDA_VISIBLE_DEVICES": ""},
+                          capture_output=True, text=True, check=True)  # fmt: skip
+    return json.loads(done.stdout.splitlines()[-1])
+
+
 @pytest.fixture(scope="module", params=["qwen3", "qwen3_5"])
 def model(request, tiny_qwen3, tiny_qwen3_5):
+    # float32 on the GPU means float32: no TF32 in matmuls or convolutions.
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     ckpt = {"qwen3": tiny_qwen3, "qwen3_5": tiny_qwen3_5}[request.param]
-    return ckpt, hf_greedy(ckpt, PROMPTS, MAX_NEW)
+    return ckpt, hf_greedy_without_fla(ckpt, PROMPTS, MAX_NEW)
 
 
 @pytest.mark.parametrize("cuda_graphs", [True, False])
@@ -56,7 +76,7 @@ def test_prefix_hits_equal_transformers(model, policy):
 
 def test_bfloat16_agreement(model):
     ckpt, _ = model
-    reference = hf_greedy(ckpt, PROMPTS, MAX_NEW, dtype="bfloat16")
+    reference = hf_greedy_without_fla(ckpt, PROMPTS, MAX_NEW, dtype="bfloat16")
     llm = LLM(ckpt, device="cuda", dtype="bfloat16", max_running_requests=4)
     outputs = llm.generate(PROMPTS, SamplingParams(max_new_tokens=MAX_NEW))
     agreeing = 0
