@@ -67,7 +67,7 @@ class FakeModelRun:
         self.batches.append(batch)
         tokens = []
         for req, extend_len, sampled in zip(batch.reqs, batch.extend_lens, batch.sample):
-            row = self.table.req_to_token[req.table_idx]
+            row = self.table.req_to_token[req.slot]
             for pos in range(req.cached_len):
                 assert self.pool[int(row[pos])] == tuple(req.all_ids[: pos + 1]), f"req {req.uid} pos {pos}"
             for pos in range(req.cached_len, req.cached_len + extend_len):

@@ -60,7 +60,7 @@ class CacheManager:
 
     def restore_state(self, req: Req) -> None:
         """Give a request just admitted with a prefix hit (req.cache_handle) the state saved where the hit ends."""
-        self.prefix_cache.restore_state(req.cache_handle, req.table_idx)
+        self.prefix_cache.restore_state(req.cache_handle, req.slot)
 
     def prefill_pause(self, req: Req) -> int:
         """The prompt position where the request's prefill should pause for the cache (its length: nowhere)."""
@@ -89,7 +89,7 @@ class CacheManager:
             if last_page > first_page:
                 pages = self._allocate_pages(last_page - first_page)
                 self.table_manager.write(
-                    req.table_idx, first_page * self.page_size, self.allocator.pages_to_locations(pages)
+                    req.slot, first_page * self.page_size, self.allocator.pages_to_locations(pages)
                 )
             req.kv_allocated_len = max(req.kv_allocated_len, end)
 
@@ -106,21 +106,21 @@ class CacheManager:
         The request's row, lock and handle agree again before the state is offered to the cache, so that an exception
         there leaves the request releasable.
         """
-        table_idx, stored = req.table_idx, req.cached_len
+        slot, stored = req.slot, req.cached_len
         old_handle = req.cache_handle
-        row = self.table_manager.read(table_idx, 0, stored)
+        row = self.table_manager.read(slot, 0, stored)
         fed = req.all_ids[:stored]
         result = self.prefix_cache.insert_prefix(fed, row)
         duplicates = slice(old_handle.cached_len, result.prefix_len)
         self.allocator.free_locations(row[duplicates])
-        self.table_manager.write(table_idx, old_handle.cached_len, result.locations[duplicates])
+        self.table_manager.write(slot, old_handle.cached_len, result.locations[duplicates])
         # Lock the new path before unlocking the old one, so the shared part is never evictable in between.
         self.lock(result.handle)
         self.unlock(old_handle)
         req.cache_handle = result.handle
         # The slot's state is the state after exactly the tokens fed: a chunk boundary, the end of the prompt, or
         # (finished) everything but the last sampled token, the prefix of a multi-turn chat's next turn.
-        self.prefix_cache.save_state(fed, table_idx)
+        self.prefix_cache.save_state(fed, slot)
 
     def release_req(self, req: Req) -> None:
         """Give back what the request holds and the tree does not: its lock on the tree and its own pages.
@@ -131,7 +131,7 @@ class CacheManager:
         """
         handle = req.cache_handle
         own_end = pages_for(req.kv_allocated_len, self.page_size) * self.page_size
-        self.allocator.free_locations(self.table_manager.read(req.table_idx, handle.cached_len, own_end))
+        self.allocator.free_locations(self.table_manager.read(req.slot, handle.cached_len, own_end))
         self.unlock(handle)
         req.cache_handle = None
         req.kv_allocated_len = 0

@@ -119,7 +119,7 @@ class Scheduler:
     def _release(self, req: Req) -> None:
         req.finished = True
         self.decode_manager.remove_req(req)
-        if req.table_idx >= 0:
+        if req.admitted:
             self.cache_manager.release_req(req)
-            self.table_manager.free(req.table_idx)
-            req.table_idx = -1
+            self.table_manager.free(req.slot)
+            req.slot = None

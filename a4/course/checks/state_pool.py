@@ -410,7 +410,7 @@ def check_state_poisoned(checkpoint: str | Path, num_slots: int = 5) -> None:
         used: set[int] = set()
         while not all(req.finished for req in reqs):
             engine.step()
-            used |= {req.table_idx for req in reqs if req.table_idx >= 0}
+            used |= {req.slot for req in reqs if req.admitted}
         outputs = [Output(req.output_ids, req.prefix_hit_len, req.finish_reason, req.error) for req in reqs]
         expected = reference_tokens(checkpoint)
         found = token_problems(label, outputs, [prompts[i] for i in picked], [expected[i] for i in picked])
@@ -450,7 +450,7 @@ def check_state_reset(state_pool_class: type, checkpoint: str | Path) -> None:
     reqs = []
     for slot, cached_len in batch.items():
         req = Req(uid=slot, input_ids=[0] * (cached_len + 1), sampling_params=SamplingParams())
-        req.table_idx, req.cached_len = slot, cached_len
+        req.slot, req.cached_len = slot, cached_len
         reqs.append(req)
     pool.clear_new_requests(reqs)
     problems = []
@@ -482,7 +482,7 @@ def _engine_reset_problems(checkpoint: str | Path, num_slots: int = 3) -> list[s
 
     def before_forward(model, args) -> None:
         fb = args[0]
-        for slot, prefix_len in zip(fb.req_slots.tolist(), fb.prefix_lens):
+        for slot, prefix_len in zip(fb.slots.tolist(), fb.prefix_lens):
             values = _slot_tensors(pool, slot)
             if prefix_len == 0 and not _is_zero(values):
                 problems.append(f"engine: a new request in slot {slot} would start from the state left there "
