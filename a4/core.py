@@ -70,16 +70,18 @@ def _check_real(name: str, value: object) -> None:
 
 @dataclass
 class Req:
-    """One request. Positions [0, cached_len) are in the KV pool (from the prefix cache or earlier chunks)."""
+    """One request. Positions [0, computed_len) are in the pools (from the prefix cache or earlier chunks and steps)."""
 
     uid: int
     input_ids: list[int]
     sampling_params: SamplingParams
     # The request's slot: its row of the request-slot table (req_to_token) and of the state pool; None until admitted.
     slot: int | None = None
-    cached_len: int = 0
+    # Tokens already fed and held: their KV is in the KV pool and the state (hybrid models) is after them. ("Cached"
+    # is kept for the prefix cache: `prefix_hit_len` of these came from it, reported as Output.cached_tokens.)
+    computed_len: int = 0
     # Positions [0, kv_allocated_len) have KV locations in the request's row, on whole pages. A step allocates before
-    # its forward, so this runs ahead of cached_len until the step is booked: what an aborted request gives back.
+    # its forward, so this runs ahead of computed_len until the step is booked: what an aborted request gives back.
     kv_allocated_len: int = 0
     # Prompt tokens that came from the prefix cache (reported in Output.cached_tokens).
     prefix_hit_len: int = 0
@@ -107,7 +109,7 @@ class Req:
     @property
     def extend_len(self) -> int:
         """Tokens still to be fed to the model before the next one can be sampled."""
-        return self.device_len - self.cached_len
+        return self.device_len - self.computed_len
 
 
 @dataclass

@@ -100,7 +100,7 @@ class FakeEngine:
         assert batch is not None, "stalled with unfinished requests"
         tokens = []
         for req, extend_len, sampled in zip(batch.reqs, batch.extend_lens, batch.sample):
-            slot, start, end = req.slot, req.cached_len, req.cached_len + extend_len
+            slot, start, end = req.slot, req.computed_len, req.computed_len + extend_len
             row = self.table.read(slot, 0, end).tolist()
             for pos in range(start):
                 assert self.kv[row[pos]] == tuple(req.all_ids[: pos + 1]), f"req {req.uid}: KV of position {pos}"
@@ -135,7 +135,7 @@ class FakeEngine:
         for req in running:
             # [0, handle) is the tree's (locked); the rest of the pages allocated so far are the request's own.
             held = req.cache_handle.cached_len if req.cache_handle is not None else 0
-            owned += [loc // p for loc in self.table.read(req.slot, held, pages_for(req.cached_len, p) * p)][::p]
+            owned += [loc // p for loc in self.table.read(req.slot, held, pages_for(req.computed_len, p) * p)][::p]
         assert len(set(tree)) == len(tree) and len(set(owned)) == len(owned) and not set(tree) & set(owned), (
             "a page owned twice"
         )

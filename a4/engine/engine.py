@@ -379,9 +379,9 @@ class Engine:
             self.state_pool.clear_new_requests(batch.reqs)
         if batch.phase == "decode" and self.graph_runner is not None:
             logits = self.graph_runner.forward(
-                input_ids=[req.all_ids[req.cached_len] for req in batch.reqs],
+                input_ids=[req.all_ids[req.computed_len] for req in batch.reqs],
                 slots=[req.slot for req in batch.reqs],
-                positions=[req.cached_len for req in batch.reqs],
+                positions=[req.computed_len for req in batch.reqs],
             )
         else:
             logits = self.model(self._forward_batch(batch))
@@ -407,14 +407,14 @@ class Engine:
         """The step's context: its new tokens in one flat row, where their KV goes, and each request's slot."""
         input_ids, sample_indices = [], []
         for req, extend_len, sampled in zip(batch.reqs, batch.extend_lens, batch.sample):
-            input_ids += req.all_ids[req.cached_len : req.cached_len + extend_len]
+            input_ids += req.all_ids[req.computed_len : req.computed_len + extend_len]
             if sampled:
                 # The logits of a request's last fed token predict its next token.
                 sample_indices.append(len(input_ids) - 1)
         return ForwardBatch.build(
             input_ids=input_ids,
             slots=[req.slot for req in batch.reqs],
-            prefix_lens=[req.cached_len for req in batch.reqs],
+            prefix_lens=[req.computed_len for req in batch.reqs],
             extend_lens=list(batch.extend_lens),
             sample_indices=sample_indices,
             req_to_token=self.table_manager.req_to_token,

@@ -49,8 +49,8 @@ class PrefillAdder:
             return False
         extend_len = min(self.token_budget, req.extend_len)
         pause = self.cache_manager.prefill_pause(req)
-        if req.cached_len < pause < req.cached_len + extend_len:
-            extend_len = pause - req.cached_len
+        if req.computed_len < pause < req.computed_len + extend_len:
+            extend_len = pause - req.computed_len
         self.token_budget -= extend_len
         self.reqs.append(req)
         self.extend_lens.append(extend_len)
@@ -68,7 +68,7 @@ class PrefillAdder:
             self.cache_manager.unlock(match.handle)
             return False
         req.slot = self.table_manager.allocate()
-        req.cached_len = req.prefix_hit_len = req.kv_allocated_len = match.handle.cached_len
+        req.computed_len = req.prefix_hit_len = req.kv_allocated_len = match.handle.cached_len
         req.cache_handle = match.handle
         self.table_manager.write(req.slot, 0, match.locations)
         try:
@@ -77,7 +77,7 @@ class PrefillAdder:
             # Not admitted after all: the request stays queued as it came, holding nothing.
             self.cache_manager.unlock(match.handle)
             self.table_manager.free(req.slot)
-            req.slot, req.cached_len, req.prefix_hit_len, req.kv_allocated_len = None, 0, 0, 0
+            req.slot, req.computed_len, req.prefix_hit_len, req.kv_allocated_len = None, 0, 0, 0
             req.cache_handle = None
             raise
         self.reserved_pages += needed
@@ -103,7 +103,7 @@ class PrefillManager:
     def reserved_pages(self) -> int:
         """Pages still promised to the admitted (chunked) requests of the queue."""
         admitted = [req for req in self.pending if req.admitted]
-        return sum(self.cache_manager.pages_to_finish(req, req.cached_len) for req in admitted)
+        return sum(self.cache_manager.pages_to_finish(req, req.computed_len) for req in admitted)
 
     def schedule_next_batch(self, token_budget: int, reserved_pages: int) -> Batch | None:
         adder = PrefillAdder(token_budget, reserved_pages, self.cache_manager, self.table_manager)

@@ -79,7 +79,7 @@ class Scheduler:
                 self.abort_req(req, "error", error)
                 finished.append(req)
                 continue
-            req.cached_len += extend_len
+            req.computed_len += extend_len
             if token is not None:
                 req.output_ids.append(token)
                 req.finish_reason = self._finish_reason(req, token)
@@ -100,7 +100,7 @@ class Scheduler:
 
         Safe at any point of a step: a request admitted in a step that raised before being booked holds a slot, a
         lock on its cached prefix and pages for the step's tokens, and its state in the slot is ahead of its
-        cached_len. All of it is given back, so the slot and the pages are clean for the next request.
+        computed_len. All of it is given back, so the slot and the pages are clean for the next request.
         """
         if req.finished:
             return

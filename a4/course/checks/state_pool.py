@@ -446,11 +446,11 @@ def check_state_reset(state_pool_class: type, checkpoint: str | Path) -> None:
     pool = state_pool_class(parse_config(raw), 5, torch.float32, "cpu")
     poison(pool, torch.Generator().manual_seed(2))
     before = _snapshot(pool)
-    batch = {3: 0, 1: 17, 0: 0, 4: 40}  # slot: cached_len
+    batch = {3: 0, 1: 17, 0: 0, 4: 40}  # slot: computed_len
     reqs = []
-    for slot, cached_len in batch.items():
-        req = Req(uid=slot, input_ids=[0] * (cached_len + 1), sampling_params=SamplingParams())
-        req.slot, req.cached_len = slot, cached_len
+    for slot, computed_len in batch.items():
+        req = Req(uid=slot, input_ids=[0] * (computed_len + 1), sampling_params=SamplingParams())
+        req.slot, req.computed_len = slot, computed_len
         reqs.append(req)
     pool.clear_new_requests(reqs)
     problems = []
@@ -458,13 +458,13 @@ def check_state_reset(state_pool_class: type, checkpoint: str | Path) -> None:
         values = _slot_tensors(pool, slot)
         if batch.get(slot) == 0:
             if not _is_zero(values):
-                problems.append(f"clear_new_requests: slot {slot} (a new request, cached_len 0) still holds the "
+                problems.append(f"clear_new_requests: slot {slot} (a new request, computed_len 0) still holds the "
                                 "previous request's state afterwards: does a new request start from zero state?")
         elif not _equal(values, _slot_tensors(before, slot)):
-            why = (f"a request that continues at cached_len {batch[slot]}" if slot in batch
+            why = (f"a request that continues at computed_len {batch[slot]}" if slot in batch
                    else "no request of the batch")
             problems.append(f"clear_new_requests: slot {slot} ({why}) was changed; only a request with "
-                            "cached_len 0 starts from zero")
+                            "computed_len 0 starts from zero")
     if not problems:
         problems += _engine_reset_problems(checkpoint)
     conclude(problems, "new requests start from zero slots, continuing ones from their own, in the pool and in the "

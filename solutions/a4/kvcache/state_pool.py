@@ -142,12 +142,12 @@ class StatePool:
         The engine calls it with the requests of each step, before the model runs. A slot is reused: the request
         admitted into it finds the previous request's conv and recurrent states there, and must not continue from
         another conversation's memory. A request starts from nothing when nothing of it is in the pools yet,
-        `req.cached_len == 0`: clear its slot, `req.slot` (`clear` zeroes whole slots). Every other request
+        `req.computed_len == 0`: clear its slot, `req.slot` (`clear` zeroes whole slots). Every other request
         continues from what its slot holds, which must not change: the next chunk of a chunked prefill, a decode
         step, or a prefix-cache hit whose saved state the radix cache has just restored into the slot (notebook 07).
         """
         # BEGIN SOLUTION state-reset 05_state_pool: zero the slots of the requests that start from nothing
-        new_slots = [req.slot for req in reqs if req.cached_len == 0]
+        new_slots = [req.slot for req in reqs if req.computed_len == 0]
         if new_slots:
             self.clear(new_slots)
         # END SOLUTION
