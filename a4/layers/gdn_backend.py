@@ -9,8 +9,8 @@ A GDN layer reaches its memory as an attention layer does: through the step's co
   graph) may read only tensors, and must update the states in place by slot: the layer's weights with the
   by-slot primitives, a4's Triton kernels on CUDA (a4/kernels/gdn_decode.py) and notebook 10's torch functions
   elsewhere (a4/layers/gdn_decode.py). Each state row is read once and written once per step.
-- A prefill on CUDA with flash-linear-attention installed (the `gpu` extra) runs its varlen kernels over the whole
-  batch by slot: notebook 04's chunked rule loops over chunks in Python, thousands of launches for a long prompt.
+- A bfloat16 prefill on CUDA with flash-linear-attention installed (the `gpu` extra) runs its varlen kernels over
+  the whole batch by slot: notebook 04's chunked rule loops over chunks in Python, thousands of launches for a long prompt.
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ def gdn_forward(layer: GatedDeltaNet, hidden: torch.Tensor, fb: ForwardBatch, po
     conv_state, recurrent_state = fb.state_pool.conv_state(pool_layer), fb.state_pool.recurrent_state(pool_layer)
     if fb.graph_safe:
         return gdn_by_slot(layer, hidden, fb, conv_state, recurrent_state)
-    if fb.phase == "prefill" and hidden.is_cuda and _fla_available():
+    # fla's kernels compute float32 products in TF32: a float32 model keeps notebook 04's exact arithmetic.
+    if fb.phase == "prefill" and hidden.is_cuda and hidden.dtype != torch.float32 and _fla_available():
         return gdn_by_slot(layer, hidden, fb, conv_state, recurrent_state)
     return layer(hidden, fb, conv_state, recurrent_state)
 
