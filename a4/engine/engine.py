@@ -203,8 +203,9 @@ class Engine:
             )
         # Decode over static buffers (graph_runner.py): always on CUDA, captured unless cuda_graphs=False; on the CPU
         # only when asked for with cuda_graphs=True (there is nothing to capture: CI runs the GPU's path that way).
-        capture = config.cuda_graphs is not False and self.device.type == "cuda"
-        static_decode = capture or config.cuda_graphs is True
+        on_cuda = self.device.type == "cuda"
+        capture = on_cuda and config.cuda_graphs is not False
+        static_decode = on_cuda or config.cuda_graphs is True
         # Padded rows of a static batch need a slot and a KV page that no request owns: one of each beyond the plan
         # (SGLang keeps a padding slot likewise).
         padding = int(static_decode)

@@ -43,6 +43,12 @@ def fla_available() -> bool:
     return True
 
 
+def _varlen(cu_seqlens: torch.Tensor) -> torch.Tensor | None:
+    """cu_seqlens for fla, or None for a batch of one sequence: fla's varlen path plans its chunks on the host in
+    every call (about 1 ms of CPU per layer on an H200's host, more than the kernels), its batch path does not."""
+    return None if len(cu_seqlens) == 2 else cu_seqlens
+
+
 def causal_conv1d_prefill_by_slot_(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -70,7 +76,7 @@ def causal_conv1d_prefill_by_slot_(
         initial_state=F.pad(initial, (1, 0)),  # fla's state has K columns; the first is never read
         output_final_state=True,
         activation="silu",
-        cu_seqlens=cu_seqlens,
+        cu_seqlens=_varlen(cu_seqlens),
     )
     conv_state[slots] = final[:, :, 1:].to(conv_state.dtype)
     return y[0]
@@ -114,7 +120,7 @@ def chunk_gated_delta_rule_by_slot_(
         initial_state=initial,
         output_final_state=True,
         use_qk_l2norm_in_kernel=True,
-        cu_seqlens=cu_seqlens,
+        cu_seqlens=_varlen(cu_seqlens),
     )
     state[slots] = final.to(state.dtype)
     return o[0]

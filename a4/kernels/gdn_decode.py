@@ -115,7 +115,7 @@ def _gated_delta_rule_update_kernel(
 
     q = tl.load(q_ptr + row * stride_q_row + key_head * stride_q_head + i, mask=in_k, other=0.0).to(tl.float32)
     k = tl.load(k_ptr + row * stride_k_row + key_head * stride_k_head + i, mask=in_k, other=0.0).to(tl.float32)
-    q = q * tl.rsqrt(tl.sum(q * q) + 1e-6) * scale
+    q = (q * tl.rsqrt(tl.sum(q * q) + 1e-6) * scale).to(tl.float32)  # float32 even if scale comes as float64
     k = k * tl.rsqrt(tl.sum(k * k) + 1e-6)
     v = tl.load(v_ptr + row * stride_v_row + head * stride_v_head + j, mask=in_v, other=0.0).to(tl.float32)
 

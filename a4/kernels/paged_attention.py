@@ -67,7 +67,8 @@ def _split_kernel(
         loc = tl.load(table_row + pos, mask=in_seq, other=0)
         kv_mask = in_seq[:, None] & in_dim[None, :]
         k = tl.load(k_ptr + loc[:, None] * stride_k_loc + kv_head * stride_k_head + d[None, :], mask=kv_mask, other=0.0)
-        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
+        # Cast: under torch.compile `scale` may arrive as a float64 constant, and m must stay float32 in the loop.
+        scores = (tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale).to(tl.float32)
         scores = tl.where(in_seq[None, :], scores, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, axis=1))
         p = tl.exp(scores - m_new[:, None])
