@@ -50,7 +50,8 @@ from a4.bench._timing import device_seconds
 from a4.checkpoints import make_checkpoint
 
 DEFAULT_OUT_DIR = REPO_ROOT / "solutions" / "report"
-DTYPE = torch.bfloat16
+DTYPE_NAME = "bfloat16"
+DTYPE = getattr(torch, DTYPE_NAME)
 GRAPHS = {"a4": True, "a4_no_graphs": False}  # the a4 systems and their `cuda_graphs`
 SYSTEMS = (*GRAPHS, "transformers", "transformers_fla")
 PARTS = ("floor", *SYSTEMS, "context")
@@ -147,8 +148,6 @@ def measure_system(name: str, model_dir: Path, workload: Workload, device: torch
     }
     if name in GRAPHS and device.type == "cuda":
         result["launch_profile"] = launch_profile(runner.llm.engine, decode_prompts[0], result["decode_ms"]["1"])
-    if name == "transformers_fla":
-        result["fla"] = installed_version(FLA_DISTRIBUTIONS)
     return result
 
 
@@ -158,14 +157,14 @@ def make_runner(name: str, model_dir: Path, workload: Workload, device: torch.de
     if name in GRAPHS:
         return A4Runner(
             model_dir,
-            str(DTYPE).removeprefix("torch."),
+            DTYPE_NAME,
             max_prefill_tokens=MAX_PREFILL_TOKENS,
             device=device,
             max_running_requests=max(workload.batches),
             # A CPU has no CUDA graphs: there both systems run as the engine does by default.
             cuda_graphs=GRAPHS[name] if device.type == "cuda" else None,
         )
-    runner = TransformersRunner(model_dir, str(DTYPE).removeprefix("torch."), device=device)
+    runner = TransformersRunner(model_dir, DTYPE_NAME, device=device)
     if (name == "transformers_fla") != kernel_package_imported("fla"):
         raise RuntimeError(
             f"{name}: transformers {'did not import' if name == 'transformers_fla' else 'imported'} "
@@ -341,7 +340,7 @@ def meta(device: str, workload: Workload, with_fla: bool) -> dict:
         "triton": installed_version(("triton", "pytorch-triton")),
         "transformers": installed_version(("transformers",)),
         "fla": installed_version(FLA_DISTRIBUTIONS) if with_fla else None,
-        "dtype": str(DTYPE).removeprefix("torch."),
+        "dtype": DTYPE_NAME,
         "shapes": workload.preset,
         "date": datetime.date.today().isoformat(),
         "commit": commit,
