@@ -23,10 +23,10 @@ from pathlib import Path
 
 from a4.core import Output, SamplingParams
 from a4.course.exercises import not_written_yet, stubs, unwritten_exercise
+from a4.dtypes import DTYPES
 
 ARCHS = ("qwen3", "qwen3_5", "qwen3_5_moe")
 DEFAULT_ARCH = "qwen3_5"
-DTYPES = ("float32", "bfloat16")
 DEFAULT_BENCH_OUT = Path("bench-out")
 USAGE_ERROR = 2
 

@@ -1,8 +1,8 @@
 """The engine's vocabulary: SamplingParams, Req, Batch, ForwardBatch and Output (names as in mini-sglang / SGLang).
 
 A `Req` is one request as the scheduler sees it; a `Batch` is the requests the scheduler runs in one step; a
-`ForwardBatch` is what the model sees in that step: flat tensors (all requests' new tokens in one row, no padding)
-plus the pools the layers read and write.
+`ForwardBatch` is what the model sees in that step, built once per step: flat tensors (all requests' new tokens in
+one row, no padding), the pools the layers read and write, and the attention backend's metadata.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import torch
 
 if TYPE_CHECKING:
     from a4.kvcache.kv_pool import KVPool
+    from a4.layers.attention import AttentionBackend
     from a4.kvcache.state_pool import StatePool
 
 
@@ -69,16 +70,18 @@ def _check_real(name: str, value: object) -> None:
 
 @dataclass
 class Req:
-    """One request. Positions [0, cached_len) are in the KV pool (from the prefix cache or earlier chunks)."""
+    """One request. Positions [0, computed_len) are in the pools (from the prefix cache or earlier chunks and steps)."""
 
     uid: int
     input_ids: list[int]
     sampling_params: SamplingParams
-    # Row of the request-slot table (req_to_token) and of the state pool; -1 until admitted.
-    table_idx: int = -1
-    cached_len: int = 0
+    # The request's slot: its row of the request-slot table (req_to_token) and of the state pool; None until admitted.
+    slot: int | None = None
+    # Tokens already fed and held: their KV is in the KV pool and the state (hybrid models) is after them. ("Cached"
+    # is kept for the prefix cache: `prefix_hit_len` of these came from it, reported as Output.cached_tokens.)
+    computed_len: int = 0
     # Positions [0, kv_allocated_len) have KV locations in the request's row, on whole pages. A step allocates before
-    # its forward, so this runs ahead of cached_len until the step is booked: what an aborted request gives back.
+    # its forward, so this runs ahead of computed_len until the step is booked: what an aborted request gives back.
     kv_allocated_len: int = 0
     # Prompt tokens that came from the prefix cache (reported in Output.cached_tokens).
     prefix_hit_len: int = 0
@@ -89,6 +92,10 @@ class Req:
     # the step or the call that ran it, or the caller aborted it: `error` says which); None while it runs.
     finish_reason: FinishReason | None = None
     error: str | None = None
+
+    @property
+    def admitted(self) -> bool:
+        return self.slot is not None
 
     @property
     def all_ids(self) -> list[int]:
@@ -102,7 +109,7 @@ class Req:
     @property
     def extend_len(self) -> int:
         """Tokens still to be fed to the model before the next one can be sampled."""
-        return self.device_len - self.cached_len
+        return self.device_len - self.computed_len
 
 
 @dataclass
@@ -119,28 +126,92 @@ class Batch:
 
 @dataclass
 class ForwardBatch:
-    """What one forward pass needs. T = total new tokens in the step, B = number of requests."""
+    """The per-step context: everything one forward pass needs, built once per step (`ForwardBatch.build`).
 
+    T = new tokens in the step, B = requests. Tensors live on the model's device; layers read them and never rebuild
+    them (as nano-vllm's `Context`, and SGLang's ForwardBatch with its attention backend's metadata). Host-side lists
+    (`extend_lens`, `prefix_lens`) serve the prefill paths, whose Python loops over requests cost little next to their
+    matrix products; a decode step reads only tensors, so it can be captured in a CUDA graph.
+    """
+
+    # "decode": every request feeds one token after a non-empty prefix (one definition, decided in `build`); anything
+    # else is "prefill" (whole prompts, chunks of prompts, or one last prompt token after a prefix-cache hit).
     phase: Literal["prefill", "decode"]
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64, position of each token in its own request
-    req_slots: torch.Tensor  # [B] int64, each request's row in req_to_token and in the state pool
+    slots: torch.Tensor  # [B] int64, each request's slot: its row of req_to_token and of the state pool
     extend_lens: list[int]  # [B] new tokens per request; they sum to T
     prefix_lens: list[int]  # [B] tokens of each request already in the pools before this step
+    seq_lens: torch.Tensor  # [B] int64, prefix + new tokens: each request's length after this step
+    cu_seqlens: torch.Tensor  # [B+1] int64, request i's new tokens are rows cu_seqlens[i] .. cu_seqlens[i+1]-1
+    # The longest seq_len, or a bound on it (a CUDA-graph batch uses the context limit): the width of the
+    # attention's key block in a decode step.
+    max_seq_len: int
     out_cache_loc: torch.Tensor  # [T] int64, KV pool location written by each new token
     sample_indices: torch.Tensor  # [S] int64, rows of the T tokens whose logits are needed
-    req_to_token: torch.Tensor  # [max_running_requests, max_context] int64, the request-slot table
-    kv_pool: KVPool
+    req_to_token: torch.Tensor  # [slots, max_context] int64, the request-slot table
+    kv_pool: KVPool | None
     state_pool: StatePool | None = None
+    attn_backend: AttentionBackend | None = None
+    # What attn_backend.prepare computed for this step (request tables, masks), shared by every attention layer.
+    attn_metadata: object = None
+    # A decode step over static buffers (a4/engine/graph_runner.py), maybe being captured in a CUDA graph: layers
+    # read only its tensors (the host lists would be frozen into the graph) and update states by slot, in place.
+    graph_safe: bool = False
 
     @property
     def batch_size(self) -> int:
         return len(self.extend_lens)
 
-    @property
-    def seq_lens(self) -> list[int]:
-        """Each request's total length after this step (prefix + new tokens)."""
-        return [p + e for p, e in zip(self.prefix_lens, self.extend_lens)]
+    @classmethod
+    def build(
+        cls,
+        *,
+        input_ids: list[int] | torch.Tensor,
+        slots: list[int],
+        prefix_lens: list[int],
+        extend_lens: list[int],
+        sample_indices: list[int],
+        req_to_token: torch.Tensor,
+        kv_pool: KVPool | None,
+        state_pool: StatePool | None = None,
+        attn_backend: AttentionBackend | None = None,
+    ) -> ForwardBatch:
+        """The context of one step: request i feeds extend_lens[i] tokens at positions prefix_lens[i] onwards, in
+        slot slots[i], whose row of req_to_token already holds the locations of those positions."""
+        if attn_backend is None:
+            # Imported here: a4.layers imports this module.
+            from a4.layers.attention import TorchAttnBackend
+
+            attn_backend = TorchAttnBackend()
+        device = req_to_token.device
+
+        def tensor(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int64, device=device)
+
+        positions = torch.cat([torch.arange(p, p + n, device=device) for p, n in zip(prefix_lens, extend_lens)])
+        seq_lens = [p + n for p, n in zip(prefix_lens, extend_lens)]
+        slots_t = tensor(slots)
+        decode = all(n == 1 for n in extend_lens) and all(p > 0 for p in prefix_lens)
+        fb = cls(
+            phase="decode" if decode else "prefill",
+            input_ids=torch.as_tensor(input_ids, dtype=torch.int64).to(device),
+            positions=positions,
+            slots=slots_t,
+            extend_lens=list(extend_lens),
+            prefix_lens=list(prefix_lens),
+            seq_lens=tensor(seq_lens),
+            cu_seqlens=tensor([0, *extend_lens]).cumsum(0),
+            max_seq_len=max(seq_lens),
+            out_cache_loc=req_to_token[slots_t.repeat_interleave(tensor(extend_lens)), positions],
+            sample_indices=tensor(sample_indices),
+            req_to_token=req_to_token,
+            kv_pool=kv_pool,
+            state_pool=state_pool,
+            attn_backend=attn_backend,
+        )
+        attn_backend.prepare(fb)
+        return fb
 
 
 @dataclass(frozen=True)

@@ -21,46 +21,38 @@ kept (a4/kvcache/hybrid_radix_cache.py); their bytes come out of `memory_budget_
 
 from __future__ import annotations
 
+import difflib
+import inspect
+from dataclasses import fields
 from pathlib import Path
-
-import torch
+from typing import Any
 
 from a4.core import Output, Req, SamplingParams
 from a4.engine.engine import Engine, EngineConfig, EngineStats, check_sampling_params
 from a4.engine.memory_plan import MemoryLedger, MemoryPlan
 
+# What LLM(model_dir, **options) takes: every EngineConfig field but model_dir.
+OPTIONS = tuple(field.name for field in fields(EngineConfig) if field.name != "model_dir")
+
 
 class LLM:
-    def __init__(
-        self,
-        model_dir: str | Path,
-        *,
-        dtype: str | torch.dtype = "float32",
-        device: str | torch.device = "cpu",
-        max_running_requests: int = 8,
-        max_prefill_tokens: int = 512,
-        page_size: int = 1,
-        enable_prefix_cache: bool = True,
-        memory_budget_bytes: int | None = None,
-        state_fraction: float | None = None,
-        hybrid_prefix_policy: str = "checkpoint",
-        max_state_checkpoints: int = 16,
-    ) -> None:
-        self.engine = Engine(
-            EngineConfig(
-                model_dir=model_dir,
-                dtype=dtype,
-                device=device,
-                max_running_requests=max_running_requests,
-                max_prefill_tokens=max_prefill_tokens,
-                page_size=page_size,
-                enable_prefix_cache=enable_prefix_cache,
-                memory_budget_bytes=memory_budget_bytes,
-                state_fraction=state_fraction,
-                hybrid_prefix_policy=hybrid_prefix_policy,
-                max_state_checkpoints=max_state_checkpoints,
-            )
-        )
+    """The offline API: `LLM(model_dir, **options)`, then `generate(prompts, sampling_params)`.
+
+    The options are the fields of `EngineConfig` (a4/engine/engine.py), which documents and checks them; the
+    signature above lists each with its default. An unknown option is a TypeError naming it and the valid ones.
+    """
+
+    def __init__(self, model_dir: str | Path, **options: Any) -> None:
+        """Load the checkpoint in model_dir and plan the engine's memory; `options`: EngineConfig's fields."""
+        for name in options:
+            if name not in OPTIONS:
+                close = difflib.get_close_matches(name, OPTIONS, n=1)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                raise TypeError(
+                    f"LLM() got an unknown option {name!r}{hint}; the options are EngineConfig's fields: "
+                    + ", ".join(OPTIONS)
+                )
+        self.engine = Engine(EngineConfig(model_dir, **options))
 
     @property
     def memory_plan(self) -> MemoryPlan:
@@ -105,6 +97,18 @@ class LLM:
                 self.engine.abort_req(req, "generate() raised before this request finished")
             raise
         return [_output(req) for req in reqs]
+
+
+def _init_signature() -> inspect.Signature:
+    """EngineConfig's fields as LLM.__init__'s parameters (model_dir, then keyword-only options), so that help(LLM),
+    inspect.signature and editors show every option with its default, though __init__ takes **options."""
+    model_dir, *options = inspect.signature(EngineConfig, eval_str=True).parameters.values()
+    self = inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    keyword_only = [option.replace(kind=inspect.Parameter.KEYWORD_ONLY) for option in options]
+    return inspect.Signature([self, model_dir, *keyword_only], return_annotation=None)
+
+
+LLM.__init__.__signature__ = _init_signature()
 
 
 def _output(req: Req) -> Output:

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import torch
 
+from a4.dtypes import resolve_dtype
+
 FORBIDDEN_KERNEL_PACKAGES = ("fla", "causal_conv1d")
 
 
@@ -44,17 +46,6 @@ assert_reference_environment()
 # would change its numerics), so the advice is noise that contradicts the course.
 logging.getLogger("transformers.integrations.hub_kernels").setLevel(logging.ERROR)
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-def _torch_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype {dtype!r}: expected one of {sorted(DTYPES)}")
-    return DTYPES[dtype]
-
-
 def load_hf_model(model_dir: str | Path, dtype: str | torch.dtype = "float32") -> torch.nn.Module:
     """A fresh transformers model of the checkpoint's architecture, in eval mode, on CPU (not cached)."""
     import transformers
@@ -72,7 +63,7 @@ def load_hf_model(model_dir: str | Path, dtype: str | torch.dtype = "float32") -
         raise ValueError(f"{model_dir}: architecture {arch!r} has no reference (known: {sorted(model_classes)})")
     kwargs = {"experts_implementation": "eager"} if "Moe" in arch else {}
     model = model_classes[arch].from_pretrained(
-        model_dir, dtype=_torch_dtype(dtype), attn_implementation="eager", **kwargs
+        model_dir, dtype=resolve_dtype(dtype), attn_implementation="eager", **kwargs
     )
     return model.eval()
 
@@ -84,7 +75,7 @@ def _cached_model(model_dir: str, dtype: torch.dtype) -> torch.nn.Module:
 
 def cached_hf_model(model_dir: str | Path, dtype: str | torch.dtype = "float32") -> torch.nn.Module:
     """load_hf_model, memoised per (directory, dtype): tests call the reference often. Do not modify the model."""
-    return _cached_model(str(Path(model_dir).resolve()), _torch_dtype(dtype))
+    return _cached_model(str(Path(model_dir).resolve()), resolve_dtype(dtype))
 
 
 def hf_greedy(

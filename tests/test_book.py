@@ -254,10 +254,9 @@ def test_gdn_chunk_statements_follow_the_layer(monkeypatch):
     layer = deltanet.GatedDeltaNet(config)
     conv = torch.zeros(1, config.conv_dim, config.linear_conv_kernel_dim - 1)
     recurrent = torch.zeros(1, config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim)
-    fb = ForwardBatch(
-        phase="prefill", input_ids=torch.zeros(40, dtype=torch.long), positions=torch.arange(40),
-        req_slots=torch.tensor([0]), extend_lens=[40], prefix_lens=[0], out_cache_loc=torch.arange(40),
-        sample_indices=torch.tensor([39]), req_to_token=torch.zeros(1, 64, dtype=torch.long), kv_pool=None,
+    fb = ForwardBatch.build(
+        input_ids=[0] * 40, slots=[0], prefix_lens=[0], extend_lens=[40], sample_indices=[39],
+        req_to_token=torch.zeros(1, 64, dtype=torch.long), kv_pool=None,
     )  # fmt: skip
     with monkeypatch.context() as patch, torch.no_grad():
         patch.setattr(deltanet, "chunk_gated_delta_rule", spy)

@@ -161,7 +161,7 @@ def test_short_memory_makes_requests_wait():
     while engine.has_unfinished_requests:
         engine.step()
         admitted = len(engine.scheduler.decode_manager.running) + sum(
-            r.table_idx >= 0 for r in engine.scheduler.prefill_manager.pending
+            r.admitted for r in engine.scheduler.prefill_manager.pending
         )
         most_running = max(most_running, admitted)
     assert 1 <= most_running < len(PROMPTS) - 1

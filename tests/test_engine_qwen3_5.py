@@ -67,7 +67,7 @@ def test_finished_request_leaves_transformers_state_in_its_slot(ckpt, prompts):
     slot = None
     while not req.finished:
         engine.step()
-        slot = req.table_idx if req.table_idx >= 0 else slot
+        slot = req.slot if req.admitted else slot
     fed = req.input_ids + req.output_ids[:-1]
     capture = hf_prefill_capture(ckpt, fed)
     gdn_captures = [layer for layer in capture.layers if layer.kind == "linear_attention"]

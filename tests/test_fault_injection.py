@@ -222,7 +222,7 @@ def test_interrupted_step_aborts_only_its_batch(tiny_qwen3_5, monkeypatch):
             while True:
                 engine.step()
     assert first.finished and first.finish_reason == "abort" and "KeyboardInterrupt" in first.error
-    assert first.table_idx == -1 and first.cache_handle is None
+    assert first.slot is None and first.cache_handle is None
     engine.run([second])
     assert second.output_ids == hf_greedy(tiny_qwen3_5, [PROMPTS[1]], MAX_NEW)[0]
     assert_clean(llm, tiny_qwen3_5)

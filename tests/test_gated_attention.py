@@ -14,7 +14,7 @@ import torch
 
 from a4.course.checks import CheckFailed
 from a4.course.checks import gated_attention as checks
-from a4.course.checks._harness import DTYPES
+from a4.dtypes import DTYPES
 from a4.layers.gated_attention import GatedAttention, ZeroCenteredRMSNorm, apply_partial_rope
 from a4.layers.rope import apply_rope, rotate_half
 

@@ -300,8 +300,8 @@ def run_and_watch(llm: LLM) -> tuple[list, list[tuple[int, int, int]]]:
     steps = []
     while not all(r.finished for r in reqs):
         engine.step()
-        running = sum(r.table_idx >= 0 for r in reqs)
-        waiting = sum(not r.finished and r.table_idx < 0 for r in reqs)
+        running = sum(r.admitted for r in reqs)
+        waiting = sum(not r.finished and not r.admitted for r in reqs)
         steps.append((running, waiting, engine.table_manager.available_size))
     return reqs, steps
 

@@ -105,7 +105,7 @@ def saves_off_the_page_boundary(base):
 
     class Cache(base):
         def save_state(self, token_ids, slot):
-            node, _ = self._walk(token_ids)
+            node, _ = self.match_node(token_ids)
             if not node.is_root and node not in self._checkpoints:
                 self._checkpoints[node] = self.state_pool.save(slot)
                 self._evict_checkpoints()

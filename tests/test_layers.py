@@ -85,19 +85,16 @@ class PagedRequests:
             ks.append(k)
             vs.append(v)
             locs.append(self._locations(slot, prefix_len, prefix_len + n))
-        positions = torch.cat([torch.arange(p, p + n) for p, n in zip(prefix_lens, extend_lens)])
-        fb = ForwardBatch(
-            phase="decode" if all(n == 1 for n in extend_lens) else "prefill",
-            input_ids=torch.zeros(sum(extend_lens), dtype=torch.long),
-            positions=positions,
-            req_slots=torch.tensor(slots),
-            extend_lens=extend_lens,
+        fb = ForwardBatch.build(
+            input_ids=[0] * sum(extend_lens),
+            slots=slots,
             prefix_lens=prefix_lens,
-            out_cache_loc=torch.cat(locs),
-            sample_indices=torch.tensor([], dtype=torch.long),
+            extend_lens=extend_lens,
+            sample_indices=[],
             req_to_token=self.req_to_token,
             kv_pool=self.pool,
         )
+        assert torch.equal(fb.out_cache_loc, torch.cat(locs))  # the context finds the locations the test chose
         out = paged_attention(torch.cat(qs), torch.cat(ks), torch.cat(vs), fb, pool_layer=0, scale=SCALE)
         return out, torch.cat(expected)
 

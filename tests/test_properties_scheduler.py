@@ -100,7 +100,7 @@ class FakeEngine:
         assert batch is not None, "stalled with unfinished requests"
         tokens = []
         for req, extend_len, sampled in zip(batch.reqs, batch.extend_lens, batch.sample):
-            slot, start, end = req.table_idx, req.cached_len, req.cached_len + extend_len
+            slot, start, end = req.slot, req.computed_len, req.computed_len + extend_len
             row = self.table.read(slot, 0, end).tolist()
             for pos in range(start):
                 assert self.kv[row[pos]] == tuple(req.all_ids[: pos + 1]), f"req {req.uid}: KV of position {pos}"
@@ -130,12 +130,12 @@ class FakeEngine:
             node = stack.pop()
             tree += [loc // p for loc in node.value.tolist()[::p]]
             stack.extend(node.children.values())
-        running = [req for req in self.reqs if req.table_idx >= 0]
+        running = [req for req in self.reqs if req.admitted]
         owned = []
         for req in running:
             # [0, handle) is the tree's (locked); the rest of the pages allocated so far are the request's own.
             held = req.cache_handle.cached_len if req.cache_handle is not None else 0
-            owned += [loc // p for loc in self.table.read(req.table_idx, held, pages_for(req.cached_len, p) * p)][::p]
+            owned += [loc // p for loc in self.table.read(req.slot, held, pages_for(req.computed_len, p) * p)][::p]
         assert len(set(tree)) == len(tree) and len(set(owned)) == len(owned) and not set(tree) & set(owned), (
             "a page owned twice"
         )
@@ -185,7 +185,7 @@ def test_pages_slots_and_states_stay_consistent(
         for prompt, req in zip(round_, reqs):
             if req.finish_reason == "abort":
                 event("a request aborted by an interrupted step")
-                assert req.table_idx == -1 and req.cache_handle is None
+                assert req.slot is None and req.cache_handle is None
                 continue
             assert req.output_ids == expected_output(prompt, max_new_tokens), f"req {req.uid}"
             if req.prefix_hit_len:

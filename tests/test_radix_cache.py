@@ -40,6 +40,17 @@ class NaivePrefixCache:
         return len(self.page_locations) * self.page_size
 
 
+def insert_random(rng: random.Random, cache: RadixCache, naive: NaivePrefixCache, next_location: int,
+                  min_len: int) -> tuple[list[int], int]:
+    """A random sequence inserted into both caches at fresh locations from next_location; returns it and the next
+    free location. A 3-letter alphabet makes long shared prefixes, splits and divergences inside edges common."""
+    ids = [rng.randrange(3) for _ in range(rng.randrange(min_len, 16))]
+    locations = list(range(next_location, next_location + len(ids)))
+    cache.insert_prefix(ids, torch.tensor(locations))
+    naive.insert(ids, locations)
+    return ids, next_location + len(ids)
+
+
 def tree_tokens(cache: RadixCache) -> int:
     total, stack = 0, [cache.root]
     while stack:
@@ -132,11 +143,7 @@ def test_evict_keeps_locked_paths_intact_under_random_traffic():
     locked = []
     next_location = 0
     for _ in range(200):
-        ids = [rng.randrange(3) for _ in range(rng.randrange(2, 16))]
-        locations = list(range(next_location, next_location + len(ids)))
-        next_location += len(ids)
-        cache.insert_prefix(ids, torch.tensor(locations))
-        naive.insert(ids, locations)
+        ids, next_location = insert_random(rng, cache, naive, next_location, min_len=2)
         if rng.random() < 0.3:
             match = cache.match_prefix(ids)
             cache.lock(match.handle)
@@ -153,6 +160,34 @@ def test_evict_keeps_locked_paths_intact_under_random_traffic():
             match = cache.match_prefix(ids_locked)
             assert match.locations.tolist() == locations_locked
         assert cache.evictable_size + cache.protected_size == tree_tokens(cache)
+
+
+@pytest.mark.parametrize("page_size", [1, 2])
+def test_subclass_interface_agrees_with_brute_force(page_size):
+    """What a subclass builds on (HybridRadixCache): match_node, a node's path and on_evict, called once for each
+    node that evict removes, which can then never match again."""
+    evicted_nodes = []
+
+    class Recording(RadixCache):
+        def on_evict(self, node):
+            evicted_nodes.append((node.path_token_ids(), node.value.tolist()))
+
+    rng = random.Random(page_size)
+    cache, naive = Recording(page_size), NaivePrefixCache(page_size)
+    next_location = 0
+    for _ in range(60):
+        _, next_location = insert_random(rng, cache, naive, next_location, min_len=0)
+        probe = [rng.randrange(3) for _ in range(rng.randrange(0, 16))]
+        node, matched_len = cache.match_node(probe)
+        assert matched_len == cache.align_down(matched_len) == naive.stored_prefix_len(probe)
+        assert node.path_token_ids() == probe[:matched_len]
+        assert node.path_locations().tolist() == naive.locations(probe, matched_len)
+
+    evicted = cache.evict(cache.evictable_size // 2).tolist()
+    assert sorted(location for _, locations in evicted_nodes for location in locations) == sorted(evicted)
+    for ids, locations in evicted_nodes:
+        assert locations == naive.locations(ids, len(ids))[len(ids) - len(locations) :]
+        assert cache.match_prefix(ids).handle.cached_len < len(ids)
 
 
 def test_page_aligned_insert_and_match():

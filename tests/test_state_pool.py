@@ -67,10 +67,10 @@ def test_clear_zeroes_only_the_given_slots(config):
     assert torch.equal(pool.conv_state(0)[1], before[0][0][1])
 
 
-def admitted(slot: int, cached_len: int) -> Req:
-    """A request in `slot` with cached_len tokens already in the pools."""
-    req = Req(uid=slot, input_ids=list(range(cached_len + 4)), sampling_params=SamplingParams())
-    req.table_idx, req.cached_len = slot, cached_len
+def admitted(slot: int, computed_len: int) -> Req:
+    """A request in `slot` with computed_len tokens already in the pools."""
+    req = Req(uid=slot, input_ids=list(range(computed_len + 4)), sampling_params=SamplingParams())
+    req.slot, req.computed_len = slot, computed_len
     return req
 
 
@@ -101,7 +101,7 @@ class ResetsEveryRequest(StatePool):
     """Resets every request of the step, also those that continue (a later chunk, a decode step, a prefix hit)."""
 
     def clear_new_requests(self, reqs):
-        self.clear([req.table_idx for req in reqs])
+        self.clear([req.slot for req in reqs])
 
 
 class ResetsRecurrentOnly(StatePool):
@@ -109,14 +109,14 @@ class ResetsRecurrentOnly(StatePool):
 
     def clear_new_requests(self, reqs):
         for k in range(self.num_layers):
-            self.recurrent_state(k)[[req.table_idx for req in reqs if req.cached_len == 0]] = 0
+            self.recurrent_state(k)[[req.slot for req in reqs if req.computed_len == 0]] = 0
 
 
 @pytest.mark.parametrize(
     "mutant, message",
     [
         (NoReset, "does a new request start from zero state"),
-        (ResetsEveryRequest, "continues at cached_len 17\\) was changed"),
+        (ResetsEveryRequest, "continues at computed_len 17\\) was changed"),
         (ResetsRecurrentOnly, "does a new request start from zero state"),
     ],
 )

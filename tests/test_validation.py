@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import math
 
 import pytest
 
 from a4 import LLM, SamplingParams
+from a4.engine.engine import EngineConfig
 from a4.reference import hf_greedy
 
 
@@ -70,6 +73,32 @@ def test_a_prompt_of_bools_or_floats_is_an_error_naming_the_position(tiny_qwen3)
 def test_llm_arguments_are_ints_not_bools(tiny_qwen3_5, kwargs, message):
     with pytest.raises(ValueError, match=message):
         LLM(tiny_qwen3_5, **kwargs)
+
+
+ENGINE_CONFIG_OPTIONS = [field for field in dataclasses.fields(EngineConfig) if field.name != "model_dir"]
+
+
+@pytest.mark.parametrize(
+    "option, hint", [("max_prefil_tokens", " (did you mean 'max_prefill_tokens'?)"), ("cuda", ""), ("model", "")]
+)
+def test_an_unknown_llm_option_is_a_type_error_naming_it_and_the_valid_ones(tiny_qwen3, option, hint):
+    with pytest.raises(TypeError, match=f"unknown option '{option}'") as error:
+        LLM(tiny_qwen3, max_running_requests=2, **{option: 1})
+    valid = ", ".join(field.name for field in ENGINE_CONFIG_OPTIONS)
+    expected = f"LLM() got an unknown option '{option}'{hint}; the options are EngineConfig's fields: {valid}"
+    assert str(error.value) == expected
+
+
+def test_llm_options_are_engine_config_fields_with_their_defaults(tiny_qwen3):
+    """help(LLM) and editors show each option with its default; each reaches the engine's config."""
+    parameters = list(inspect.signature(LLM).parameters.values())
+    assert [(p.name, p.kind) for p in parameters] == [("model_dir", inspect.Parameter.POSITIONAL_OR_KEYWORD)] + [
+        (field.name, inspect.Parameter.KEYWORD_ONLY) for field in ENGINE_CONFIG_OPTIONS
+    ]
+    assert [p.default for p in parameters[1:]] == [field.default for field in ENGINE_CONFIG_OPTIONS]
+    options = dict(dtype="bfloat16", max_running_requests=3, max_prefill_tokens=32, page_size=2,
+                   enable_prefix_cache=False, memory_budget_bytes=2**24)
+    assert LLM(tiny_qwen3, **options).engine.config == EngineConfig(tiny_qwen3, **options)
 
 
 def test_page_size_larger_than_the_context_names_page_size(tiny_qwen3):

@@ -61,18 +61,13 @@ def decode_batch(context: int, kv_pool: KVPool, state_pool: object | None = None
 
     The request's tokens live at KV locations 0, 1, 2, ... (so the pool needs context + 1 locations).
     """
-    device = kv_pool.device
-    position = torch.tensor([context], device=device)
-    return ForwardBatch(
-        phase="decode",
-        input_ids=torch.zeros(1, dtype=torch.int64, device=device),
-        positions=position,
-        req_slots=torch.zeros(1, dtype=torch.int64, device=device),
-        extend_lens=[1],
+    return ForwardBatch.build(
+        input_ids=[0],
+        slots=[0],
         prefix_lens=[context],
-        out_cache_loc=position,
-        sample_indices=torch.zeros(1, dtype=torch.int64, device=device),
-        req_to_token=torch.arange(kv_pool.num_locations, device=device)[None],
+        extend_lens=[1],
+        sample_indices=[0],
+        req_to_token=torch.arange(kv_pool.num_locations, device=kv_pool.device)[None],
         kv_pool=kv_pool,
         state_pool=state_pool,
     )

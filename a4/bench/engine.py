@@ -39,8 +39,8 @@ import torch
 
 from a4.bench._floor import ModelBytes, copy_bytes_per_second, gemm_flop_per_second
 from a4.checkpoints import make_checkpoint
+from a4.dtypes import DTYPES
 
-DTYPES = ("float32", "bfloat16")
 SYSTEMS = ("a4", "transformers")
 WORKLOADS = ("prefill", "decode batch 1", "decode batch 8")
 
@@ -100,9 +100,8 @@ class A4Runner:
     ) -> None:
         from a4 import LLM
 
-        # None leaves CUDA graphs to the engine's default (on where CUDA is, off on the CPU).
-        options = {} if cuda_graphs is None else {"cuda_graphs": cuda_graphs}
-        # No prefix cache: the prefill runs repeat one prompt, which must be computed every time.
+        # No prefix cache: the prefill runs repeat one prompt, which must be computed every time. cuda_graphs: None
+        # is the engine's default (see EngineConfig).
         self.llm = LLM(
             model_dir,
             dtype=dtype,
@@ -110,7 +109,7 @@ class A4Runner:
             max_running_requests=max_running_requests,
             max_prefill_tokens=max_prefill_tokens,
             enable_prefix_cache=False,
-            **options,
+            cuda_graphs=cuda_graphs,
         )
 
     def prefill(self, prompt: list[int]) -> None:

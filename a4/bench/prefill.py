@@ -93,17 +93,13 @@ def layer_prefill_seconds(gdn: torch.nn.Module, lengths: tuple[int, ...], repeat
     times: dict[str, list[float]] = {form: [] for form in FORMS}
     for length in lengths:
         hidden = torch.randn(length, projection.in_features, generator=gen, dtype=dtype, device=device)
-        positions = torch.arange(length, device=device)
-        fb = ForwardBatch(
-            phase="prefill",
-            input_ids=torch.zeros(length, dtype=torch.int64, device=device),
-            positions=positions,
-            req_slots=torch.zeros(1, dtype=torch.int64, device=device),
-            extend_lens=[length],
+        fb = ForwardBatch.build(
+            input_ids=[0] * length,
+            slots=[0],
             prefix_lens=[0],
-            out_cache_loc=positions,
-            sample_indices=positions[-1:],
-            req_to_token=positions[None],
+            extend_lens=[length],
+            sample_indices=[length - 1],
+            req_to_token=torch.arange(length, device=device)[None],
             kv_pool=None,  # a GDN layer keeps no KV
         )
 

@@ -1,17 +1,20 @@
 """Engine: the model and its memory, driven one step at a time.
 
 `Engine(config)` loads the checkpoint, plans memory (memory_plan.py), creates the pools and the scheduler. Each
-`step()` asks the scheduler for a batch, turns it into a ForwardBatch (flat tensors of the step's new tokens and where
-their KV goes), runs the model, samples and hands the tokens back to the scheduler. `add_request` validates a
+`step()` asks the scheduler for a batch, turns it into the step's context, a ForwardBatch (flat tensors of the step's
+new tokens, where their KV goes, each request's slot), runs the model, samples and hands the tokens back to the
+scheduler. Decode steps on a GPU go through the DecodeGraphRunner (graph_runner.py): static buffers replayed as CUDA
+graphs. What is built for which model (pools, prefix cache, attention backend) is chosen in factories.py. `add_request` validates a
 request first: a bad one finishes at once with finish_reason "error" and never reaches the model. A step that raises
 (an interrupted cell, a failing layer) aborts the requests it was running and leaves the engine clean for the next
 call; a request whose logits cannot be sampled finishes alone with an error.
 
 Hybrid models (config.is_hybrid, Qwen3.5) also keep a StatePool (notebook 05): the Gated DeltaNet states of every
-request slot, indexed like `req_to_token` by the slot (`ForwardBatch.req_slots`). Its per-slot bytes go into the
-memory plan, the pool is created in `_create_pools`, cleared for each request that starts from nothing, and handed
-to the model in `_forward_batch`. KV alone cannot resume a request at a cached position: its GDN layers need the state
-after exactly that position. So a hybrid model's prefix cache follows `hybrid_prefix_policy` (`_create_prefix_cache`):
+request slot, indexed like `req_to_token` by the slot (`ForwardBatch.slots`). Its per-slot bytes go into the
+memory plan, the pool is created by `create_state_pool`, cleared for each request that starts from nothing, and
+handed to the model in the ForwardBatch. KV alone cannot resume a request at a cached position: its GDN layers need
+the state after exactly that position. So a hybrid model's prefix cache follows `hybrid_prefix_policy`
+(`create_prefix_cache`):
 "checkpoint" keeps copies of states on the radix tree and hits only where one is kept (notebook 07), their bytes set
 aside in the memory plan (`_checkpoint_bytes`); "refuse" never reuses a prefix.
 """
@@ -30,17 +33,25 @@ from pathlib import Path
 import torch
 
 from a4.core import Batch, ForwardBatch, Req, SamplingParams
+from a4.dtypes import resolve_dtype
+from a4.engine.factories import (
+    create_attention_backend,
+    create_kv_pool,
+    create_prefix_cache,
+    create_state_pool,
+    keeps_state_checkpoints,
+    state_bytes_per_slot,
+)
+from a4.engine.graph_runner import DecodeGraphRunner
 from a4.engine.memory_plan import MemoryLedger, MemoryPlan, MemoryPlanError, default_budget_bytes, plan_memory
 from a4.engine.sampling import Sampler
 from a4.kvcache.allocator import PageAllocator
-from a4.kvcache.kv_pool import KVPool
-from a4.kvcache.radix_cache import BasePrefixCache, NoPrefixCache, RadixCache
+from a4.kvcache.radix_cache import NoPrefixCache
 from a4.models.registry import load_model, usable_device
 from a4.scheduler.cache import CacheManager
 from a4.scheduler.scheduler import Scheduler
 from a4.scheduler.table import TableManager
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # How the prefix cache serves a hybrid model: "checkpoint" (hits only where a copy of the state was saved, notebook
 # 07) or "refuse" (no hits at all: always correct, never faster).
 HYBRID_PREFIX_POLICIES = ("checkpoint", "refuse")
@@ -66,12 +77,14 @@ class EngineConfig:
     # state checkpoints it keeps at most (least recently used evicted first; their bytes come out of the budget).
     hybrid_prefix_policy: str = "checkpoint"
     max_state_checkpoints: int = 16
+    # Decode steps as CUDA graphs (graph_runner.py). None: on where CUDA is. False on CUDA: the same static-buffer
+    # runner, not captured. True on the CPU: that runner too (nothing to capture), the GPU's decode path run eagerly.
+    cuda_graphs: bool | None = None
 
     def __post_init__(self) -> None:
         if not Path(self.model_dir).is_dir():
             raise ValueError(f"model_dir {str(self.model_dir)!r} is not a directory")
-        if self.dtype not in DTYPES and self.dtype not in DTYPES.values():
-            raise ValueError(f"unknown dtype {self.dtype!r} (expected one of {sorted(DTYPES)})")
+        resolve_dtype(self.dtype)
         usable_device(self.device)
         for name in ("max_running_requests", "max_prefill_tokens", "page_size"):
             value = getattr(self, name)
@@ -98,10 +111,12 @@ class EngineConfig:
         checkpoints = self.max_state_checkpoints
         if not _is_int(checkpoints) or checkpoints < 0:
             raise ValueError(f"max_state_checkpoints must be a non-negative integer, got {checkpoints!r}")
+        if not (self.cuda_graphs is None or isinstance(self.cuda_graphs, bool)):
+            raise ValueError(f"cuda_graphs must be True, False or None, got {self.cuda_graphs!r}")
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return DTYPES.get(self.dtype, self.dtype)
+        return resolve_dtype(self.dtype)
 
     @property
     def torch_device(self) -> torch.device:
@@ -186,11 +201,38 @@ class Engine:
                 f"(max_position_embeddings {self.model_config.max_position_embeddings}, KV pool "
                 f"{self.memory_plan.num_tokens} tokens): lower page_size or raise memory_budget_bytes"
             )
-        self._create_pools()
-        self.table_manager = TableManager(self.memory_plan.max_running_requests, self.max_context_len, self.device)
-        self.cache_manager = CacheManager(
-            PageAllocator(self.memory_plan.num_pages, page_size), self._create_prefix_cache(), self.table_manager
-        )
+        # Decode over static buffers (graph_runner.py): always on CUDA, captured unless cuda_graphs=False; on the CPU
+        # only when asked for with cuda_graphs=True (there is nothing to capture: CI runs the GPU's path that way).
+        capture = config.cuda_graphs is not False and self.device.type == "cuda"
+        static_decode = capture or config.cuda_graphs is True
+        # Padded rows of a static batch need a slot and a KV page that no request owns: one of each beyond the plan
+        # (SGLang keeps a padding slot likewise).
+        padding = int(static_decode)
+        plan, dtype = self.memory_plan, config.torch_dtype
+        self.kv_pool = create_kv_pool(self.model_config, plan.num_pages + padding, page_size, dtype, self.device)
+        num_slots = plan.max_running_requests + padding
+        self.state_pool = create_state_pool(self.model_config, num_slots, dtype, self.device)
+        self.attn_backend = create_attention_backend(self.device)
+        self.table_manager = TableManager(num_slots, self.max_context_len, self.device)
+        allocator = PageAllocator(plan.num_pages + padding, page_size)
+        self.graph_runner = None
+        if static_decode:
+            padding_slot = self.table_manager.allocate()
+            padding_page = allocator.allocate(1)
+            self.table_manager.write(padding_slot, 0, padding_page * page_size)
+            self.graph_runner = DecodeGraphRunner(
+                self.model,
+                max_batch=plan.max_running_requests,
+                max_seq_len=self.max_context_len,
+                req_to_token=self.table_manager.req_to_token,
+                kv_pool=self.kv_pool,
+                state_pool=self.state_pool,
+                attn_backend=self.attn_backend,
+                padding_slot=padding_slot,
+                capture=capture,
+            )
+        prefix_cache = create_prefix_cache(config, self.model_config, self.state_pool)
+        self.cache_manager = CacheManager(allocator, prefix_cache, self.table_manager)
         self.scheduler = Scheduler(
             self.table_manager,
             self.cache_manager,
@@ -211,19 +253,13 @@ class Engine:
         with the defaults needs notebooks 01-05 only.
         """
         config, model_config, dtype = self.config, self.model_config, self.config.torch_dtype
-        state_bytes_per_slot = 0
-        if model_config.is_hybrid:
-            # Imported only for hybrid models: the StatePool is an exercise (notebook 05), and serving Qwen3 must not
-            # depend on it.
-            from a4.kvcache.state_pool import StatePool
-
-            state_bytes_per_slot = StatePool.bytes_per_slot(model_config, dtype)
-        elif config.state_fraction is not None:
+        state_bytes = state_bytes_per_slot(model_config, dtype)
+        if not state_bytes and config.state_fraction is not None:
             raise ValueError(
                 f"state_fraction {config.state_fraction} applies to hybrid models only: "
                 f"{model_config.architecture} keeps no state per request"
             )
-        ledger = MemoryLedger.from_config(model_config, dtype, state_bytes_per_slot=state_bytes_per_slot)
+        ledger = MemoryLedger.from_config(model_config, dtype, state_bytes_per_slot=state_bytes)
         checkpoint_bytes = self._checkpoint_bytes(ledger)
         budget = config.memory_budget_bytes or default_budget_bytes(
             ledger,
@@ -247,7 +283,7 @@ class Engine:
             max_running_requests=config.max_running_requests,
         )
         if config.state_fraction is None:
-            memory_plan = plan_memory(model_config, state_bytes_per_slot=state_bytes_per_slot, **split)
+            memory_plan = plan_memory(model_config, state_bytes_per_slot=state_bytes, **split)
         else:
             # Imported only when a state share is asked for: it is an exercise (notebook 06), and slots first does
             # not need it.
@@ -256,53 +292,11 @@ class Engine:
             memory_plan = plan_hybrid_memory(model_config, state_fraction=config.state_fraction, **split)
         return ledger, replace(memory_plan, budget_bytes=budget, checkpoint_bytes=checkpoint_bytes)
 
-    @property
-    def _keeps_state_checkpoints(self) -> bool:
-        """Whether the prefix cache saves states: a hybrid model's, under the "checkpoint" policy."""
-        config = self.config
-        return (
-            config.enable_prefix_cache and self.model_config.is_hybrid and config.hybrid_prefix_policy == "checkpoint"
-        )
-
     def _checkpoint_bytes(self, ledger: MemoryLedger) -> int:
         """Bytes set aside for the prefix cache's state checkpoints (each one slot's state), before slots and pages."""
-        if not self._keeps_state_checkpoints:
+        if not keeps_state_checkpoints(self.config, self.model_config):
             return 0
         return self.config.max_state_checkpoints * ledger.state_bytes_per_slot
-
-    def _create_prefix_cache(self) -> BasePrefixCache:
-        """The radix cache; for a hybrid model the one `hybrid_prefix_policy` asks for (see the module docstring)."""
-        config, page_size = self.config, self.config.page_size
-        if self._keeps_state_checkpoints:
-            # Imported here: the hybrid radix cache is an exercise (notebook 07), and serving Qwen3 must not depend
-            # on it.
-            from a4.kvcache.hybrid_radix_cache import HybridRadixCache
-
-            return HybridRadixCache(page_size, self.state_pool, config.max_state_checkpoints)
-        if config.enable_prefix_cache and not self.model_config.is_hybrid:
-            return RadixCache(page_size)
-        return NoPrefixCache(page_size)
-
-    def _create_pools(self) -> None:
-        """The memory the layers read and write: KV pages and, for a hybrid model, a state per request slot."""
-        config = self.model_config
-        self.kv_pool = KVPool(
-            num_layers=len(config.full_attention_layers),
-            num_pages=self.memory_plan.num_pages,
-            page_size=self.config.page_size,
-            num_kv_heads=config.num_key_value_heads,
-            head_dim=config.head_dim,
-            dtype=self.config.torch_dtype,
-            device=self.device,
-        )
-        self.state_pool = None
-        if config.is_hybrid:
-            # Imported here: the StatePool is an exercise (notebook 05), and serving Qwen3 must not depend on it.
-            from a4.kvcache.state_pool import StatePool
-
-            self.state_pool = StatePool(
-                config, self.memory_plan.max_running_requests, self.config.torch_dtype, self.device
-            )
 
     def add_request(self, input_ids: list[int], sampling_params: SamplingParams) -> Req:
         """Queue a request; a request that can never run comes back already finished, with its error.
@@ -383,7 +377,14 @@ class Engine:
         start = time.perf_counter()
         if self.state_pool is not None:
             self.state_pool.clear_new_requests(batch.reqs)
-        logits = self.model(self._forward_batch(batch))
+        if batch.phase == "decode" and self.graph_runner is not None:
+            logits = self.graph_runner.forward(
+                input_ids=[req.all_ids[req.computed_len] for req in batch.reqs],
+                slots=[req.slot for req in batch.reqs],
+                positions=[req.computed_len for req in batch.reqs],
+            )
+        else:
+            logits = self.model(self._forward_batch(batch))
         sampled_reqs = [req for req, sampled in zip(batch.reqs, batch.sample) if sampled]
         samples = iter(self.sampler.sample(logits, sampled_reqs))
         next_tokens, errors = zip(*(next(samples) if sampled else (None, None) for sampled in batch.sample))
@@ -403,31 +404,23 @@ class Engine:
             self.sampler.remove_req(req)
 
     def _forward_batch(self, batch: Batch) -> ForwardBatch:
-        """The step's new tokens in one flat row, with their positions and the KV locations they write."""
-        input_ids, positions, slots_per_token, sample_indices = [], [], [], []
+        """The step's context: its new tokens in one flat row, where their KV goes, and each request's slot."""
+        input_ids, sample_indices = [], []
         for req, extend_len, sampled in zip(batch.reqs, batch.extend_lens, batch.sample):
-            start, end = req.cached_len, req.cached_len + extend_len
-            input_ids += req.all_ids[start:end]
-            positions += range(start, end)
-            slots_per_token += [req.table_idx] * extend_len
+            input_ids += req.all_ids[req.computed_len : req.computed_len + extend_len]
             if sampled:
                 # The logits of a request's last fed token predict its next token.
                 sample_indices.append(len(input_ids) - 1)
-        device = self.device
-        positions_t = torch.tensor(positions, dtype=torch.int64, device=device)
-        req_to_token = self.table_manager.req_to_token
-        return ForwardBatch(
-            phase=batch.phase,
-            input_ids=torch.tensor(input_ids, dtype=torch.int64, device=device),
-            positions=positions_t,
-            req_slots=torch.tensor([req.table_idx for req in batch.reqs], dtype=torch.int64, device=device),
+        return ForwardBatch.build(
+            input_ids=input_ids,
+            slots=[req.slot for req in batch.reqs],
+            prefix_lens=[req.computed_len for req in batch.reqs],
             extend_lens=list(batch.extend_lens),
-            prefix_lens=[req.cached_len for req in batch.reqs],
-            out_cache_loc=req_to_token[torch.tensor(slots_per_token, device=device), positions_t],
-            sample_indices=torch.tensor(sample_indices, dtype=torch.int64, device=device),
-            req_to_token=req_to_token,
+            sample_indices=sample_indices,
+            req_to_token=self.table_manager.req_to_token,
             kv_pool=self.kv_pool,
             state_pool=self.state_pool,
+            attn_backend=self.attn_backend,
         )
 
     def _record(self, batch: Batch, seconds: float) -> None:

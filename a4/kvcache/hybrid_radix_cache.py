@@ -32,8 +32,6 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
-import torch
-
 from a4.kvcache.radix_cache import CacheHandle, MatchResult, RadixCache, RadixNode
 from a4.kvcache.state_pool import StateCheckpoint, StatePool
 
@@ -54,13 +52,13 @@ class HybridRadixCache(RadixCache):
     def match_prefix(self, token_ids: Sequence[int]) -> MatchResult:
         """The longest prefix of token_ids whose KV is in the tree AND that ends exactly at a saved checkpoint.
 
-        `self._walk(token_ids)` (RadixCache's, already written) returns the deepest node whose path is a prefix of
-        token_ids, splitting an edge so that the node ends exactly where the KV match ends. The hit is that node if
+        `self.match_node(token_ids)` (RadixCache's, already written) returns the deepest node whose path is a prefix
+        of token_ids, splitting an edge so that the node ends exactly where the KV match ends. The hit is that node if
         it holds a checkpoint, else its nearest ancestor that holds one (`self._checkpoints`), else nothing: the
         root, length 0, where every request starts from zero states.
 
         Returns MatchResult(CacheHandle(hit length, hit node), KV locations of the hit's tokens): the locations of
-        the path from the root down to the hit node are `self._path_locations(node)`, and their number is the hit
+        the path from the root down to the hit node are `node.path_locations()`, and their number is the hit
         length. A hit counts as a use of its checkpoint for the LRU order (`self._checkpoints.move_to_end`).
         """
         raise NotImplementedError("Exercise hybrid-match: the longest cached prefix that ends exactly at a checkpoint (notebooks/07_radix_cache.ipynb)")
@@ -68,7 +66,7 @@ class HybridRadixCache(RadixCache):
     def save_state(self, token_ids: Sequence[int], slot: int) -> None:
         """Keep a copy of `slot`'s state, which is the state after exactly `token_ids`, on the node where they end.
 
-        The KV of token_ids has just been inserted (CacheManager.cache_req); `self._walk(token_ids)` finds the node
+        The KV of token_ids has just been inserted (CacheManager.cache_req); `self.match_node(token_ids)` finds the node
         where they end, splitting an edge if they end inside one, and how many of them the tree holds. When that is
         fewer than len(token_ids) (a partial last page with page_size > 1, which the tree cannot hold) save nothing:
         a checkpoint must sit exactly at the end of its sequence, or a hit would use a state of another length.
@@ -102,19 +100,11 @@ class HybridRadixCache(RadixCache):
         """The prompt's last page boundary. A state can be saved only on a page boundary, and the prompt's own end
         rarely is one: pausing the prefill there leaves a state the next turn of a chat can resume from (vLLM's
         "align" mode cuts its chunks at block boundaries for the same reason). With page_size 1: no pause."""
-        return self._align_down(prompt_len) or prompt_len
+        return self.align_down(prompt_len) or prompt_len
 
-    def evict(self, num_tokens: int) -> torch.Tensor:
-        """RadixCache.evict; the checkpoints of the evicted nodes go with their KV (they could never be hit again)."""
-        locations = super().evict(num_tokens)
-        for node in [node for node in self._checkpoints if not self._in_tree(node)]:
-            del self._checkpoints[node]
-        return locations
-
-    def _in_tree(self, node: RadixNode) -> bool:
-        # `evict` detaches leaves only, and a parent only once it has no child left: a node still among its parent's
-        # children is still in the tree.
-        return node.parent.children.get(self._child_key(node.key)) is node
+    def on_evict(self, node: RadixNode) -> None:
+        """A node's checkpoint goes with its KV: it could never be hit again."""
+        self._checkpoints.pop(node, None)
 
     @property
     def num_checkpoints(self) -> int:
@@ -122,12 +112,4 @@ class HybridRadixCache(RadixCache):
 
     def checkpoints(self) -> list[tuple[list[int], StateCheckpoint]]:
         """Every stored checkpoint with the token ids it is the state after, least recently used first."""
-        return [(self._path_tokens(node), checkpoint) for node, checkpoint in self._checkpoints.items()]
-
-    @staticmethod
-    def _path_tokens(node: RadixNode) -> list[int]:
-        keys = []
-        while not node.is_root:
-            keys.append(node.key)
-            node = node.parent
-        return [token for key in reversed(keys) for token in key]
+        return [(node.path_token_ids(), checkpoint) for node, checkpoint in self._checkpoints.items()]

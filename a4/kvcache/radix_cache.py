@@ -22,7 +22,15 @@ work is comparisons and pointer chasing, which the accelerator cannot speed up.
 `NoPrefixCache` has the same interface and caches nothing (`enable_prefix_cache=False`): the scheduler uses either
 without knowing which. A hybrid model's cache (`HybridRadixCache`, notebook 07) subclasses RadixCache and also keeps
 copies of request states on some nodes, through hooks that the others leave empty (`save_state`, `restore_state`,
-`prefill_pause`).
+`prefill_pause`). What a subclass may build on, as SGLang's hybrid radix caches build on theirs:
+
+- `match_node(ids)`: the node where the KV match of `ids` ends, and its length (what `match_prefix` reports);
+- `node.path_locations()` / `node.path_token_ids()`: the locations and token ids from the root down to a node;
+- `align_down(length)`: a length rounded down to whole pages, the only lengths the tree holds;
+- `on_evict(node)`: called for each node `evict` removes, so that what a subclass keeps on a node goes with it.
+
+A node keeps its identity when an edge above it is split (the new node is the upper part), so what a subclass keeps
+per node stays attached to the same token sequence.
 """
 
 from __future__ import annotations
@@ -162,6 +170,23 @@ class RadixNode:
     def is_leaf(self) -> bool:
         return not self.children
 
+    def path_locations(self) -> torch.Tensor:
+        """KV locations of the whole sequence from the root down to this node."""
+        values = [node.value for node in self._path()]
+        return torch.cat(values) if values else _EMPTY_LOCATIONS
+
+    def path_token_ids(self) -> list[int]:
+        """Token ids of the whole sequence from the root down to this node."""
+        return [token for node in self._path() for token in node.key]
+
+    def _path(self) -> list[RadixNode]:
+        """The nodes from the root's child down to this one (empty for the root)."""
+        path, node = [], self
+        while not node.is_root:
+            path.append(node)
+            node = node.parent
+        return path[::-1]
+
 
 class RadixCache(BasePrefixCache):
     def __init__(self, page_size: int = 1) -> None:
@@ -183,15 +208,15 @@ class RadixCache(BasePrefixCache):
         return self._protected_size
 
     def match_prefix(self, token_ids: Sequence[int]) -> MatchResult:
-        node, matched_len = self._walk(token_ids)
-        return MatchResult(CacheHandle(matched_len, node), self._path_locations(node))
+        node, matched_len = self.match_node(token_ids)
+        return MatchResult(CacheHandle(matched_len, node), node.path_locations())
 
     def insert_prefix(self, token_ids: Sequence[int], locations: torch.Tensor) -> InsertResult:
         if len(token_ids) != len(locations):
             raise ValueError(f"insert_prefix: {len(token_ids)} token ids but {len(locations)} locations")
-        insert_len = self._align_down(len(token_ids))
+        insert_len = self.align_down(len(token_ids))
         token_ids = list(token_ids[:insert_len])
-        node, prefix_len = self._walk(token_ids)
+        node, prefix_len = self.match_node(token_ids)
         if prefix_len < insert_len:
             leaf = RadixNode(
                 token_ids[prefix_len:], locations[prefix_len:insert_len].cpu().clone(), node, next(self._clock)
@@ -199,7 +224,7 @@ class RadixCache(BasePrefixCache):
             node.children[self._child_key(leaf.key)] = leaf
             self._evictable_size += len(leaf)
             node = leaf
-        return InsertResult(prefix_len, CacheHandle(insert_len, node), self._path_locations(node))
+        return InsertResult(prefix_len, CacheHandle(insert_len, node), node.path_locations())
 
     def lock(self, handle: CacheHandle) -> None:
         node = handle.node
@@ -235,14 +260,20 @@ class RadixCache(BasePrefixCache):
             self._evictable_size -= len(leaf)
             evicted_len += len(leaf)
             evicted.append(leaf.value)
+            self.on_evict(leaf)
             if parent.is_leaf and parent.ref_count == 0:
                 heapq.heappush(heap, (parent.last_access, parent.id, parent))
         return torch.cat(evicted)
 
-    def _walk(self, token_ids: Sequence[int]) -> tuple[RadixNode, int]:
-        """The deepest node whose path is a prefix of token_ids, and that prefix's length (page-aligned).
+    def on_evict(self, node: RadixNode) -> None:
+        """Called by `evict` for each node it has just removed from the tree: a subclass drops what it keeps there
+        (nothing can match the node again). RadixCache keeps nothing beside the KV."""
 
-        When the match ends inside an edge, the edge is split there, so the returned node ends exactly at the match.
+    def match_node(self, token_ids: Sequence[int]) -> tuple[RadixNode, int]:
+        """The deepest node whose path is a prefix of token_ids, and that prefix's length (whole pages).
+
+        When the match ends inside an edge, the edge is split there, so the returned node ends exactly at the match
+        (the root, length 0, when nothing matches). The nodes on the way count as used for the LRU order of `evict`.
         """
         now = next(self._clock)
         node, matched_len = self.root, 0
@@ -253,12 +284,16 @@ class RadixCache(BasePrefixCache):
                 break
             child.last_access = now
             # The child's first page equals rest's (it is the lookup key), so at least one page matches.
-            common = self._align_down(_common_prefix_len(child.key, rest))
+            common = self.align_down(_common_prefix_len(child.key, rest))
             matched_len += common
             if common < len(child):
                 return self._split(child, common), matched_len
             node = child
         return node, matched_len
+
+    def align_down(self, length: int) -> int:
+        """length rounded down to whole pages: the tree matches, inserts and holds whole pages only."""
+        return length - length % self.page_size
 
     def _split(self, node: RadixNode, at: int) -> RadixNode:
         """Cut node's edge after `at` tokens; returns the new upper node, which takes node's place in the tree."""
@@ -280,20 +315,8 @@ class RadixCache(BasePrefixCache):
             stack.extend(node.children.values())
         return leaves
 
-    @staticmethod
-    def _path_locations(node: RadixNode) -> torch.Tensor:
-        """Locations of the whole sequence from the root down to node."""
-        values = []
-        while not node.is_root:
-            values.append(node.value)
-            node = node.parent
-        return torch.cat(values[::-1]) if values else _EMPTY_LOCATIONS
-
     def _child_key(self, token_ids: Sequence[int]) -> int | tuple[int, ...]:
         return token_ids[0] if self.page_size == 1 else tuple(token_ids[: self.page_size])
-
-    def _align_down(self, length: int) -> int:
-        return length - length % self.page_size
 
 
 def _common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:

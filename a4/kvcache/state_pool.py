@@ -6,7 +6,7 @@
 A full-attention layer stores K and V for every token (the KV pool). A Gated DeltaNet (GDN) layer folds everything a
 request has seen into a state of fixed size: the last K-1 inputs of its causal conv, and one dk x dv matrix per value
 head. The StatePool holds that state for every request slot, beside the KV pool and indexed by the same slot as the
-request's row of `req_to_token` (`Req.table_idx`, `ForwardBatch.req_slots`), like SGLang's MambaPool inside its
+request's row of `req_to_token` (`Req.slot`, `ForwardBatch.slots`), like SGLang's MambaPool inside its
 HybridReqToTokenPool. One buffer per kind of state, layer first, as KVPool keeps one buffer for all its layers:
 
     conv states       [num_gdn_layers, num_slots, conv_dim, K-1]   model dtype
@@ -120,7 +120,7 @@ class StatePool:
         The engine calls it with the requests of each step, before the model runs. A slot is reused: the request
         admitted into it finds the previous request's conv and recurrent states there, and must not continue from
         another conversation's memory. A request starts from nothing when nothing of it is in the pools yet,
-        `req.cached_len == 0`: clear its slot, `req.table_idx` (`clear` zeroes whole slots). Every other request
+        `req.computed_len == 0`: clear its slot, `req.slot` (`clear` zeroes whole slots). Every other request
         continues from what its slot holds, which must not change: the next chunk of a chunked prefill, a decode
         step, or a prefix-cache hit whose saved state the radix cache has just restored into the slot (notebook 07).
         """

@@ -2,15 +2,20 @@
 
 A ForwardBatch packs the new tokens of every request into one row (T tokens, no padding). Request i brings tokens
 at positions prefix_lens[i] .. seq_lens[i]-1; its earlier tokens (a cached prefix, earlier chunks, earlier decode
-steps) are already in the pool. All its keys, old and new, are found at `req_to_token[req_slots[i], :seq_lens[i]]`.
+steps) are already in the pool. All its keys, old and new, are found at `req_to_token[slots[i], :seq_lens[i]]`.
 
-The arithmetic is torch's `scaled_dot_product_attention` (SDPA): a fused kernel that never materialises the full
+Layers call `paged_attention`; the arithmetic is the step's attention backend's (`ForwardBatch.attn_backend`, chosen
+by a4.engine.factories), whose `prepare` builds what every layer of the step shares (request tables, masks) once.
+`TorchAttnBackend`, on CPU and GPU, is torch's `scaled_dot_product_attention` (SDPA): a fused kernel that never materialises the full
 score matrix and keeps the softmax in float32 even for bfloat16 inputs. It is also what transformers' default "sdpa"
 path calls, so the numerics match the reference (prefill in bfloat16 on CPU: bit for bit; decode, which folds
 GQA into the rows of queries, to rounding: one bfloat16 ulp in a few elements).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +41,17 @@ if not _cpu_flash_attention_runs():
     SDPA_BACKENDS.remove(SDPBackend.FLASH_ATTENTION)
 
 
+class AttentionBackend(Protocol):
+    """How attention layers reach the KV pool (as mini-sglang's `BaseAttnBackend`): `prepare` once per step, then
+    `forward` in every attention layer, reading what `prepare` put in `fb.attn_metadata`."""
+
+    def prepare(self, fb: ForwardBatch) -> None: ...
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fb: ForwardBatch, pool_layer: int, scale: float
+    ) -> torch.Tensor: ...
+
+
 def paged_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fb: ForwardBatch, pool_layer: int, scale: float
 ) -> torch.Tensor:
@@ -43,13 +59,81 @@ def paged_attention(
 
     q [T, nH, D]; k, v [T, nKV, D] (after RoPE); returns [T, nH, D]. The new k, v are first written into
     `fb.kv_pool` layer `pool_layer` at `fb.out_cache_loc`. A query at position p sees its request's keys 0..p.
-    GQA: query head h reads kv head h // (nH / nKV), as transformers' `repeat_kv`.
+    GQA: query head h reads kv head h // (nH / nKV), as transformers' `repeat_kv`. The arithmetic is the step's
+    attention backend's (`fb.attn_backend`).
     """
     fb.kv_pool.set_kv(pool_layer, fb.out_cache_loc, k, v)
-    k_buf, v_buf = fb.kv_pool.get_kv(pool_layer)
-    if all(n == 1 for n in fb.extend_lens):
-        return _decode_attention(q, k_buf, v_buf, fb, scale)
-    return _extend_attention(q, k_buf, v_buf, fb, scale)
+    return fb.attn_backend.forward(q, k, v, fb, pool_layer, scale)
+
+
+@dataclass
+class DecodeMetadata:
+    # [B, max_seq_len]: each request's key locations, padded with location 0 where `valid` is False.
+    locs: torch.Tensor
+    valid: torch.Tensor  # [B, max_seq_len] bool: keys 0..seq_len-1 of each request
+
+
+@dataclass
+class ExtendMetadata:
+    # Per request: its key locations [seq_len] and its causal mask [extend_len, seq_len] (True = may attend).
+    locs: list[torch.Tensor]
+    masks: list[torch.Tensor]
+
+
+class TorchAttnBackend:
+    """torch's SDPA over keys gathered from the pool (CPU and GPU): a decode step batches every request into one
+    padded call, a prefill runs one call per request. Shapes come only from the context's tensors and
+    `max_seq_len`, so a decode step with a fixed `max_seq_len` is graph-safe."""
+
+    def prepare(self, fb: ForwardBatch) -> None:
+        # The requests' rows of the table, gathered on the device: indexing with python ints of the slots would
+        # need them on the host (a device sync).
+        tables = fb.req_to_token[fb.slots, : fb.max_seq_len]
+        key_pos = torch.arange(fb.max_seq_len, device=fb.slots.device)
+        if fb.phase == "decode":
+            valid = key_pos[None, :] < fb.seq_lens[:, None]
+            # Table entries past a request's length may be stale: point them at location 0 to stay in bounds.
+            fb.attn_metadata = DecodeMetadata(locs=torch.where(valid, tables, 0), valid=valid)
+            return
+        locs, masks = [], []
+        for i, (prefix_len, extend_len) in enumerate(zip(fb.prefix_lens, fb.extend_lens)):
+            seq_len = prefix_len + extend_len
+            locs.append(tables[i, :seq_len])
+            # The query at position p sees keys 0..p. (SDPA's own `is_causal` would align the diagonal to the
+            # top-left corner, which is right only without a prefix.)
+            query_pos = torch.arange(prefix_len, seq_len, device=key_pos.device)
+            masks.append(key_pos[None, :seq_len] <= query_pos[:, None])
+        fb.attn_metadata = ExtendMetadata(locs=locs, masks=masks)
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fb: ForwardBatch, pool_layer: int, scale: float
+    ) -> torch.Tensor:
+        k_buf, v_buf = fb.kv_pool.get_kv(pool_layer)
+        if fb.phase == "decode":
+            return _decode_attention(q, k_buf, v_buf, fb.attn_metadata, scale)
+        return _extend_attention(q, k_buf, v_buf, fb, scale)
+
+
+class TritonAttnBackend(TorchAttnBackend):
+    """On CUDA: decode through a4's Triton paged kernel (a4/kernels/paged_attention.py), which reads each request's
+    keys in place through its row of req_to_token and its length on the device: no [B, max_seq_len] gather per layer,
+    and the work follows the real lengths, not the graph's bound. Prefill stays torch's SDPA per request, whose
+    flash kernel is already fused."""
+
+    def prepare(self, fb: ForwardBatch) -> None:
+        if fb.phase != "decode":
+            super().prepare(fb)
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fb: ForwardBatch, pool_layer: int, scale: float
+    ) -> torch.Tensor:
+        if fb.phase != "decode":
+            return super().forward(q, k, v, fb, pool_layer, scale)
+        # Imported here: Triton exists only where CUDA does.
+        from a4.kernels.paged_attention import paged_decode_attention
+
+        k_buf, v_buf = fb.kv_pool.get_kv(pool_layer)
+        return paged_decode_attention(q, k_buf, v_buf, fb.req_to_token, fb.slots, fb.seq_lens, scale)
 
 
 def gather(buf: torch.Tensor, locs: torch.Tensor) -> torch.Tensor:
@@ -81,45 +165,31 @@ def _extend_attention(
     Requests have very different lengths here, and each call is a large matrix product, so a python loop costs
     little next to the arithmetic while padding to the longest request could cost a lot.
     """
-    # The requests' rows of the table, gathered on the device: indexing with python ints of req_slots would need
-    # the slots on the host (a device sync in every layer).
-    tables = fb.req_to_token[fb.req_slots, : max(fb.seq_lens)]
+    meta: ExtendMetadata = fb.attn_metadata
     out = torch.empty_like(q)
     start = 0
-    for i, (prefix_len, extend_len) in enumerate(zip(fb.prefix_lens, fb.extend_lens)):
-        seq_len = prefix_len + extend_len
-        locs = tables[i, :seq_len]
+    for locs, mask, extend_len in zip(meta.locs, meta.masks, fb.extend_lens):
+        rows = slice(start, start + extend_len)
+        start += extend_len
         # SDPA wants [batch, heads, tokens, D]: a batch of one. (Without the batch dim, CPU falls back to the
         # unfused math kernel, whose bfloat16 results differ from transformers'.)
-        q_i = q[start : start + extend_len].transpose(0, 1)[None]  # [1, nH, extend_len, D]
+        q_i = q[rows].transpose(0, 1)[None]  # [1, nH, extend_len, D]
         k_i = gather(k_buf, locs).transpose(0, 1)[None]  # [1, nKV, seq_len, D]
         v_i = gather(v_buf, locs).transpose(0, 1)[None]
-        # The query at position p sees keys 0..p. (SDPA's own `is_causal` would align the diagonal to the top-left
-        # corner, which is right only without a prefix.)
-        query_pos = fb.positions[start : start + extend_len]  # prefix_len .. seq_len-1
-        mask = torch.arange(seq_len, device=q.device)[None, :] <= query_pos[:, None]  # [extend_len, seq_len]
-        o_i = sdpa(q_i, k_i, v_i, mask, scale)
-        out[start : start + extend_len] = o_i[0].transpose(0, 1)
-        start += extend_len
+        out[rows] = sdpa(q_i, k_i, v_i, mask, scale)[0].transpose(0, 1)
     return out
 
 
 def _decode_attention(
-    q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, fb: ForwardBatch, scale: float
+    q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, meta: DecodeMetadata, scale: float
 ) -> torch.Tensor:
-    """One new token per request: every decode step, and a prefill whose prompts were cached but their last token.
-
-    A decode step is many tiny attentions, where a per-request python loop would cost more than the arithmetic. So
-    every request's keys are gathered into one padded [B, max_len] block for a single SDPA call; the padding is
-    masked out. The new token is the last of its request, so it sees all of its request's keys: no causal mask.
+    """One new token per request: many tiny attentions, where a per-request python loop would cost more than the
+    arithmetic. So every request's keys are gathered into one padded [B, max_seq_len] block for a single SDPA call;
+    the padding is masked out. The new token is the last of its request, so it sees all of its request's keys: no
+    causal mask.
     """
-    max_len = max(fb.seq_lens)
-    # Each query is its request's last token (position seq_len-1): keys 0..position are real, the rest padding.
-    valid = torch.arange(max_len, device=q.device)[None, :] <= fb.positions[:, None]  # [B, max_len]
-    # Table entries past a request's length may be stale; point them at location 0 so the gather stays in bounds.
-    locs = torch.where(valid, fb.req_to_token[fb.req_slots, :max_len], 0)
-    k = gather(k_buf, locs).transpose(1, 2)  # [B, nKV, max_len, D]
-    v = gather(v_buf, locs).transpose(1, 2)
+    k = gather(k_buf, meta.locs).transpose(1, 2)  # [B, nKV, max_seq_len, D]
+    v = gather(v_buf, meta.locs).transpose(1, 2)
     # GQA without copying K and V: with one query per head, the nH / nKV query heads that share a KV head become
     # that head's rows of queries (query head h reads KV head h // group, as repeat_kv). Repeating K and V instead
     # copies the whole context again in every layer: on CPU, 0.8B shapes at 4k tokens, 15x slower.
@@ -127,5 +197,5 @@ def _decode_attention(
     num_kv_heads = k.shape[1]
     q_rows = q.reshape(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
     with sdpa_kernel(SDPA_BACKENDS):
-        o = F.scaled_dot_product_attention(q_rows, k, v, attn_mask=valid[:, None, None, :], scale=scale)
+        o = F.scaled_dot_product_attention(q_rows, k, v, attn_mask=meta.valid[:, None, None, :], scale=scale)
     return o.reshape(batch, num_heads, head_dim)

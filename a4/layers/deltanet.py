@@ -190,7 +190,7 @@ class GatedDeltaNet(nn.Module):
 
         conv_state [slots, conv_dim, K-1] (model dtype) and recurrent_state [slots, Hv, dk, dv] (float32) are this
         layer's state pool tensors. Request i (fb.extend_lens[i] tokens) reads and then overwrites, in place, row
-        fb.req_slots[i] of both; a request with fb.prefix_lens[i] == 0 starts from zero states, whatever its row holds
+        fb.slots[i] of both; a request with fb.prefix_lens[i] == 0 starts from zero states, whatever its row holds
         (a reused slot still holds its previous request's states).
 
         in_proj_qkv -> conv (`causal_conv1d_prefill`, or `causal_conv1d_decode` when fb.phase == "decode") -> split

@@ -17,7 +17,8 @@ Where each layer keeps its memory (`pool_layer_of`):
   StatePool provides them). For the k-th GDN layer of the model:
       conv_state(k)      -> [slots, conv_dim, linear_conv_kernel_dim - 1], model dtype
       recurrent_state(k) -> [slots, linear_num_value_heads, linear_key_head_dim, linear_value_head_dim], float32
-  Row fb.req_slots[i] belongs to request i; the GDN layer reads it and updates it in place.
+  Row fb.slots[i] belongs to request i; the GDN layer reads it and updates it in place (a4.layers.gdn_backend
+  chooses the layer's own forward or its graph-safe decode).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from torch import nn
 
 from a4.core import ForwardBatch
 from a4.layers.deltanet import GatedDeltaNet
+from a4.layers.gdn_backend import gdn_forward
 from a4.layers.gated_attention import GatedAttention, ZeroCenteredRMSNorm
 from a4.layers.mlp import GatedMLP
 from a4.layers.rope import RotaryEmbedding
@@ -77,9 +79,9 @@ class Qwen3_5DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         h = self.input_layernorm(x)
+        # Both mixers find their memory in fb at their own pool layer: KV for attention, states for GDN.
         if self.is_linear:
-            states: GDNStates = fb.state_pool
-            h = self.linear_attn(h, fb, states.conv_state(self.pool_layer), states.recurrent_state(self.pool_layer))
+            h = gdn_forward(self.linear_attn, h, fb, self.pool_layer)
         else:
             h = self.self_attn(h, cos, sin, fb)
         # The residual adds run in the model dtype, as in transformers.

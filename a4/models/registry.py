@@ -14,6 +14,7 @@ from typing import Callable, Iterator
 import torch
 from torch import nn
 
+from a4.dtypes import resolve_dtype
 from a4.models.config import ConfigError, ModelConfig, load_model_config
 from a4.models.weights import LoadReport, identity, load_weights
 
@@ -22,9 +23,6 @@ MODEL_REGISTRY: dict[str, str] = {
     "Qwen3_5ForConditionalGeneration": "a4.models.qwen3_5:Qwen3_5ForConditionalGeneration",
     "Qwen3_5MoeForConditionalGeneration": "a4.models.qwen3_5_moe:Qwen3_5MoeForConditionalGeneration",
 }
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
 
 def model_class(architecture: str) -> type[nn.Module]:
     if architecture not in MODEL_REGISTRY:
@@ -50,14 +48,6 @@ def usable_device(device: torch.device | str) -> torch.device:
         reason = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise ValueError(f"device {str(device)!r} cannot hold tensors on this machine ({reason})") from None
     return resolved
-
-
-def resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype not in DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r} (expected a torch.dtype or one of {sorted(DTYPES)})")
-    return DTYPES[dtype]
 
 
 @contextmanager

@@ -60,43 +60,43 @@ class CacheManager:
 
     def restore_state(self, req: Req) -> None:
         """Give a request just admitted with a prefix hit (req.cache_handle) the state saved where the hit ends."""
-        self.prefix_cache.restore_state(req.cache_handle, req.table_idx)
+        self.prefix_cache.restore_state(req.cache_handle, req.slot)
 
     def prefill_pause(self, req: Req) -> int:
         """The prompt position where the request's prefill should pause for the cache (its length: nowhere)."""
         return self.prefix_cache.prefill_pause(len(req.input_ids))
 
-    def pages_to_finish(self, req: Req, cached_len: int) -> int:
-        """Pages the request still needs, from cached_len tokens in the pool to its longest possible length.
+    def pages_to_finish(self, req: Req, computed_len: int) -> int:
+        """Pages the request still needs, from computed_len tokens in the pool to its longest possible length.
 
         The last token a request samples is never fed back, so its KV is never written: at most
         len(input_ids) + max_new_tokens - 1 positions are stored.
         """
         max_stored = len(req.input_ids) + req.sampling_params.max_new_tokens - 1
-        return pages_for(max_stored, self.page_size) - pages_for(cached_len, self.page_size)
+        return pages_for(max_stored, self.page_size) - pages_for(computed_len, self.page_size)
 
     def allocate(self, reqs: Sequence[Req], extend_lens: Sequence[int]) -> None:
-        """Give the positions that this step writes (cached_len .. cached_len + extend_len - 1) KV locations.
+        """Give the positions that this step writes (computed_len .. computed_len + extend_len - 1) KV locations.
 
         Pages are allocated whole and recorded in the table whole, so the tokens that follow in the same page
         already have their locations. Unlocked cache entries are evicted when the free list runs short. A request
         that already has locations for those positions (a step that raised before it was booked) gets no more.
         """
         for req, extend_len in zip(reqs, extend_lens):
-            end = req.cached_len + extend_len
+            end = req.computed_len + extend_len
             first_page = pages_for(req.kv_allocated_len, self.page_size)
             last_page = pages_for(end, self.page_size)
             if last_page > first_page:
                 pages = self._allocate_pages(last_page - first_page)
                 self.table_manager.write(
-                    req.table_idx, first_page * self.page_size, self.allocator.pages_to_locations(pages)
+                    req.slot, first_page * self.page_size, self.allocator.pages_to_locations(pages)
                 )
             req.kv_allocated_len = max(req.kv_allocated_len, end)
 
     def cache_req(self, req: Req) -> None:
-        """Hand the request's KV positions [0, cached_len) over to the prefix cache, and their state with them.
+        """Hand the request's KV positions [0, computed_len) over to the prefix cache, and their state with them.
 
-        Row positions (old = the handle's length, new = the inserted page-aligned length, stored = req.cached_len):
+        Row positions (old = the handle's length, new = the inserted page-aligned length, stored = req.computed_len):
           [0, old)            already the tree's, locked by this request since admission (or the last insert);
           [old, prefix_len)   the tree learned these tokens from another request meanwhile: ours are duplicates,
                               freed, and the row is pointed at the tree's copy;
@@ -106,21 +106,21 @@ class CacheManager:
         The request's row, lock and handle agree again before the state is offered to the cache, so that an exception
         there leaves the request releasable.
         """
-        table_idx, stored = req.table_idx, req.cached_len
+        slot, stored = req.slot, req.computed_len
         old_handle = req.cache_handle
-        row = self.table_manager.read(table_idx, 0, stored)
+        row = self.table_manager.read(slot, 0, stored)
         fed = req.all_ids[:stored]
         result = self.prefix_cache.insert_prefix(fed, row)
         duplicates = slice(old_handle.cached_len, result.prefix_len)
         self.allocator.free_locations(row[duplicates])
-        self.table_manager.write(table_idx, old_handle.cached_len, result.locations[duplicates])
+        self.table_manager.write(slot, old_handle.cached_len, result.locations[duplicates])
         # Lock the new path before unlocking the old one, so the shared part is never evictable in between.
         self.lock(result.handle)
         self.unlock(old_handle)
         req.cache_handle = result.handle
         # The slot's state is the state after exactly the tokens fed: a chunk boundary, the end of the prompt, or
         # (finished) everything but the last sampled token, the prefix of a multi-turn chat's next turn.
-        self.prefix_cache.save_state(fed, table_idx)
+        self.prefix_cache.save_state(fed, slot)
 
     def release_req(self, req: Req) -> None:
         """Give back what the request holds and the tree does not: its lock on the tree and its own pages.
@@ -131,7 +131,7 @@ class CacheManager:
         """
         handle = req.cache_handle
         own_end = pages_for(req.kv_allocated_len, self.page_size) * self.page_size
-        self.allocator.free_locations(self.table_manager.read(req.table_idx, handle.cached_len, own_end))
+        self.allocator.free_locations(self.table_manager.read(req.slot, handle.cached_len, own_end))
         self.unlock(handle)
         req.cache_handle = None
         req.kv_allocated_len = 0

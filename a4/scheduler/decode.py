@@ -25,7 +25,7 @@ class DecodeManager:
     @property
     def reserved_pages(self) -> int:
         """Pages still promised to the running requests (see the admission policy in prefill.py)."""
-        return sum(self.cache_manager.pages_to_finish(req, req.cached_len) for req in self.running)
+        return sum(self.cache_manager.pages_to_finish(req, req.computed_len) for req in self.running)
 
     def schedule_next_batch(self) -> Batch | None:
         if not self.running:

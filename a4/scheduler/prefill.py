@@ -44,13 +44,13 @@ class PrefillAdder:
         """Add req (or a chunk of it) to the step; False when the budget or the memory says stop."""
         if self.token_budget == 0:
             return False
-        admitted = req.table_idx >= 0
+        admitted = req.admitted
         if not admitted and not self._admit(req):
             return False
         extend_len = min(self.token_budget, req.extend_len)
         pause = self.cache_manager.prefill_pause(req)
-        if req.cached_len < pause < req.cached_len + extend_len:
-            extend_len = pause - req.cached_len
+        if req.computed_len < pause < req.computed_len + extend_len:
+            extend_len = pause - req.computed_len
         self.token_budget -= extend_len
         self.reqs.append(req)
         self.extend_lens.append(extend_len)
@@ -67,17 +67,17 @@ class PrefillAdder:
         if needed + self.reserved_pages > self.cache_manager.available_pages:
             self.cache_manager.unlock(match.handle)
             return False
-        req.table_idx = self.table_manager.allocate()
-        req.cached_len = req.prefix_hit_len = req.kv_allocated_len = match.handle.cached_len
+        req.slot = self.table_manager.allocate()
+        req.computed_len = req.prefix_hit_len = req.kv_allocated_len = match.handle.cached_len
         req.cache_handle = match.handle
-        self.table_manager.write(req.table_idx, 0, match.locations)
+        self.table_manager.write(req.slot, 0, match.locations)
         try:
             self.cache_manager.restore_state(req)
         except BaseException:
             # Not admitted after all: the request stays queued as it came, holding nothing.
             self.cache_manager.unlock(match.handle)
-            self.table_manager.free(req.table_idx)
-            req.table_idx, req.cached_len, req.prefix_hit_len, req.kv_allocated_len = -1, 0, 0, 0
+            self.table_manager.free(req.slot)
+            req.slot, req.computed_len, req.prefix_hit_len, req.kv_allocated_len = None, 0, 0, 0
             req.cache_handle = None
             raise
         self.reserved_pages += needed
@@ -102,8 +102,8 @@ class PrefillManager:
     @property
     def reserved_pages(self) -> int:
         """Pages still promised to the admitted (chunked) requests of the queue."""
-        admitted = [req for req in self.pending if req.table_idx >= 0]
-        return sum(self.cache_manager.pages_to_finish(req, req.cached_len) for req in admitted)
+        admitted = [req for req in self.pending if req.admitted]
+        return sum(self.cache_manager.pages_to_finish(req, req.computed_len) for req in admitted)
 
     def schedule_next_batch(self, token_budget: int, reserved_pages: int) -> Batch | None:
         adder = PrefillAdder(token_budget, reserved_pages, self.cache_manager, self.table_manager)

@@ -79,7 +79,7 @@ class Scheduler:
                 self.abort_req(req, "error", error)
                 finished.append(req)
                 continue
-            req.cached_len += extend_len
+            req.computed_len += extend_len
             if token is not None:
                 req.output_ids.append(token)
                 req.finish_reason = self._finish_reason(req, token)
@@ -100,7 +100,7 @@ class Scheduler:
 
         Safe at any point of a step: a request admitted in a step that raised before being booked holds a slot, a
         lock on its cached prefix and pages for the step's tokens, and its state in the slot is ahead of its
-        cached_len. All of it is given back, so the slot and the pages are clean for the next request.
+        computed_len. All of it is given back, so the slot and the pages are clean for the next request.
         """
         if req.finished:
             return
@@ -119,7 +119,7 @@ class Scheduler:
     def _release(self, req: Req) -> None:
         req.finished = True
         self.decode_manager.remove_req(req)
-        if req.table_idx >= 0:
+        if req.admitted:
             self.cache_manager.release_req(req)
-            self.table_manager.free(req.table_idx)
-            req.table_idx = -1
+            self.table_manager.free(req.slot)
+            req.slot = None

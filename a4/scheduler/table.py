@@ -1,6 +1,6 @@
 """TableManager: the request slots, rows of the `req_to_token` table.
 
-A running request owns one row (its `table_idx`). Entry [row, pos] is the KV pool location of the request's token at
+A running request owns one row (its `slot`). Entry [row, pos] is the KV pool location of the request's token at
 position pos, so attention finds all of a request's keys by reading its row. Rows are handed out when a request is
 admitted and returned when it finishes, then reused by the next request: the number of rows bounds how many
 requests run at once (`max_running_requests`).
@@ -44,15 +44,15 @@ class TableManager:
             raise RuntimeError("no free request slot: check available_size before allocating")
         return self._free_slots.pop()
 
-    def free(self, table_idx: int) -> None:
-        if table_idx in self._free_slots or not 0 <= table_idx < self.max_running_requests:
-            raise RuntimeError(f"request slot {table_idx} is not in use")
-        self._free_slots.append(table_idx)
+    def free(self, slot: int) -> None:
+        if slot in self._free_slots or not 0 <= slot < self.max_running_requests:
+            raise RuntimeError(f"request slot {slot} is not in use")
+        self._free_slots.append(slot)
 
-    def write(self, table_idx: int, start: int, locations: torch.Tensor) -> None:
+    def write(self, slot: int, start: int, locations: torch.Tensor) -> None:
         """Record that positions start .. start + len(locations) - 1 of the request live at `locations`."""
-        self.req_to_token[table_idx, start : start + len(locations)] = locations.to(self.req_to_token.device)
+        self.req_to_token[slot, start : start + len(locations)] = locations.to(self.req_to_token.device)
 
-    def read(self, table_idx: int, start: int, end: int) -> torch.Tensor:
+    def read(self, slot: int, start: int, end: int) -> torch.Tensor:
         """Host copy of the locations of positions start .. end - 1."""
-        return self.req_to_token[table_idx, start:end].cpu()
+        return self.req_to_token[slot, start:end].cpu()

@@ -15,9 +15,9 @@ from __future__ import annotations
 import torch
 
 from a4.course.checks import CheckFailed
+from a4.dtypes import DTYPES
 from a4.models.config import LINEAR_ATTENTION, ModelConfig
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # On CPU, PyTorch sums in float32 for float32 and for bfloat16 inputs alike (matrix products, norms, softmax, SDPA).
 ACCUMULATION_EPS = torch.finfo(torch.float32).eps
 # bfloat16 results of the same formula computed in a slightly different order differ in about one value in 10^4;

@@ -49,22 +49,16 @@ class SlotTable:
         tokens = {s: list(range(n)) if isinstance(n, int) else list(n) for s, n in new_tokens.items()}
         prefix_lens = [self.lens[slot] for slot in slots]
         extend_lens = [len(tokens[slot]) for slot in slots]
-        out_cache_loc = []
         for slot, prefix_len, extend_len in zip(slots, prefix_lens, extend_lens):
             locations = [self.free.pop() for _ in range(extend_len)]
             self.req_to_token[slot, prefix_len : prefix_len + extend_len] = torch.tensor(locations, dtype=torch.long)
             self.lens[slot] += extend_len
-            out_cache_loc += locations
-        decode = all(n == 1 for n in extend_lens) and all(prefix_lens)
-        return ForwardBatch(
-            phase="decode" if decode else "prefill",
-            input_ids=torch.tensor([t for slot in slots for t in tokens[slot]], dtype=torch.long),
-            positions=torch.cat([torch.arange(p, p + n) for p, n in zip(prefix_lens, extend_lens)]),
-            req_slots=torch.tensor(slots, dtype=torch.long),
-            extend_lens=extend_lens,
+        return ForwardBatch.build(
+            input_ids=[t for slot in slots for t in tokens[slot]],
+            slots=slots,
             prefix_lens=prefix_lens,
-            out_cache_loc=torch.tensor(out_cache_loc, dtype=torch.long),
-            sample_indices=torch.tensor(sample_indices or [], dtype=torch.long),
+            extend_lens=extend_lens,
+            sample_indices=sample_indices or [],
             req_to_token=self.req_to_token,
             kv_pool=kv_pool,
             state_pool=state_pool,

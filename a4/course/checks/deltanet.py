@@ -25,7 +25,6 @@ import torch.nn.functional as F
 from a4.checkpoints import tiny_checkpoint
 from a4.course.checks import conclude
 from a4.course.checks._harness import (
-    DTYPES,
     GDN_ROUNDINGS,
     compare,
     compare_dtype,
@@ -39,6 +38,7 @@ from a4.course.checks._harness import (
 )
 from a4.course.checks._model_runner import ModelRunner, SlotTable, state_tensors
 from a4.course.checks.gated_attention import a4_config
+from a4.dtypes import DTYPES
 from a4.models.config import LINEAR_ATTENTION
 
 # (key heads, value heads, dk, dv, conv kernel) of the layer checks.

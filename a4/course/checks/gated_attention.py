@@ -28,7 +28,6 @@ from a4.checkpoints import tiny_checkpoint
 from a4.course.checks import conclude
 from a4.course.checks._harness import (
     ATTENTION_ROUNDINGS,
-    DTYPES,
     attention_reduction_length,
     compare,
     compare_dtype,
@@ -39,6 +38,7 @@ from a4.course.checks._harness import (
 )
 from a4.course.checks._model_runner import PAGE_SIZE, SlotTable, kv_pool_for
 from a4.course.checks.config import transformers_fields
+from a4.dtypes import DTYPES
 from a4.kvcache.kv_pool import KVPool
 from a4.layers.rope import RotaryEmbedding
 from a4.models.config import FULL_ATTENTION, LINEAR_ATTENTION, ModelConfig

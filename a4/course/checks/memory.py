@@ -409,8 +409,8 @@ def run_traced(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> tu
             StepTrace(
                 step=len(trace) + 1,
                 phase="prefill" if engine.stats.prefill_steps > prefill_steps else "decode",
-                running=tuple(req.uid for req in reqs if req.table_idx >= 0),
-                waiting=tuple(req.uid for req in reqs if not req.finished and req.table_idx < 0),
+                running=tuple(req.uid for req in reqs if req.admitted),
+                waiting=tuple(req.uid for req in reqs if not req.finished and not req.admitted),
                 free_slots=engine.table_manager.available_size,
                 free_pages=engine.cache_manager.allocator.num_free_pages,
             )

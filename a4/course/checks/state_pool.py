@@ -26,6 +26,7 @@ from a4.core import Output, SamplingParams
 from a4.course.checks import CheckFailed, conclude
 from a4.course.checks._earlier import ENGINE, after_notebooks
 from a4.course.checks.config import QWEN3_5_PRESETS
+from a4.dtypes import DTYPES
 from a4.models.config import LINEAR_ATTENTION, parse_config
 
 # Prompt lengths of every engine check: a single token, lengths just before, at and after a boundary of the GDN
@@ -36,7 +37,6 @@ PROMPT_LENGTHS = (1, 7, 40, 63, 64, 65, 130, 300)
 MAX_NEW_TOKENS = 6
 # Prefill budgets of the chunked check: each cuts some prompts before, at or after a GDN chunk boundary.
 CHUNK_BUDGETS = (1, 7, 63, 64, 65)
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 # ------------------------------------------------------------------------------------------- sizes from config.json
@@ -410,7 +410,7 @@ def check_state_poisoned(checkpoint: str | Path, num_slots: int = 5) -> None:
         used: set[int] = set()
         while not all(req.finished for req in reqs):
             engine.step()
-            used |= {req.table_idx for req in reqs if req.table_idx >= 0}
+            used |= {req.slot for req in reqs if req.admitted}
         outputs = [Output(req.output_ids, req.prefix_hit_len, req.finish_reason, req.error) for req in reqs]
         expected = reference_tokens(checkpoint)
         found = token_problems(label, outputs, [prompts[i] for i in picked], [expected[i] for i in picked])
@@ -446,11 +446,11 @@ def check_state_reset(state_pool_class: type, checkpoint: str | Path) -> None:
     pool = state_pool_class(parse_config(raw), 5, torch.float32, "cpu")
     poison(pool, torch.Generator().manual_seed(2))
     before = _snapshot(pool)
-    batch = {3: 0, 1: 17, 0: 0, 4: 40}  # slot: cached_len
+    batch = {3: 0, 1: 17, 0: 0, 4: 40}  # slot: computed_len
     reqs = []
-    for slot, cached_len in batch.items():
-        req = Req(uid=slot, input_ids=[0] * (cached_len + 1), sampling_params=SamplingParams())
-        req.table_idx, req.cached_len = slot, cached_len
+    for slot, computed_len in batch.items():
+        req = Req(uid=slot, input_ids=[0] * (computed_len + 1), sampling_params=SamplingParams())
+        req.slot, req.computed_len = slot, computed_len
         reqs.append(req)
     pool.clear_new_requests(reqs)
     problems = []
@@ -458,13 +458,13 @@ def check_state_reset(state_pool_class: type, checkpoint: str | Path) -> None:
         values = _slot_tensors(pool, slot)
         if batch.get(slot) == 0:
             if not _is_zero(values):
-                problems.append(f"clear_new_requests: slot {slot} (a new request, cached_len 0) still holds the "
+                problems.append(f"clear_new_requests: slot {slot} (a new request, computed_len 0) still holds the "
                                 "previous request's state afterwards: does a new request start from zero state?")
         elif not _equal(values, _slot_tensors(before, slot)):
-            why = (f"a request that continues at cached_len {batch[slot]}" if slot in batch
+            why = (f"a request that continues at computed_len {batch[slot]}" if slot in batch
                    else "no request of the batch")
             problems.append(f"clear_new_requests: slot {slot} ({why}) was changed; only a request with "
-                            "cached_len 0 starts from zero")
+                            "computed_len 0 starts from zero")
     if not problems:
         problems += _engine_reset_problems(checkpoint)
     conclude(problems, "new requests start from zero slots, continuing ones from their own, in the pool and in the "
@@ -482,7 +482,7 @@ def _engine_reset_problems(checkpoint: str | Path, num_slots: int = 3) -> list[s
 
     def before_forward(model, args) -> None:
         fb = args[0]
-        for slot, prefix_len in zip(fb.req_slots.tolist(), fb.prefix_lens):
+        for slot, prefix_len in zip(fb.slots.tolist(), fb.prefix_lens):
             values = _slot_tensors(pool, slot)
             if prefix_len == 0 and not _is_zero(values):
                 problems.append(f"engine: a new request in slot {slot} would start from the state left there "

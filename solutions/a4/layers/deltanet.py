@@ -283,7 +283,7 @@ class GatedDeltaNet(nn.Module):
 
         conv_state [slots, conv_dim, K-1] (model dtype) and recurrent_state [slots, Hv, dk, dv] (float32) are this
         layer's state pool tensors. Request i (fb.extend_lens[i] tokens) reads and then overwrites, in place, row
-        fb.req_slots[i] of both; a request with fb.prefix_lens[i] == 0 starts from zero states, whatever its row holds
+        fb.slots[i] of both; a request with fb.prefix_lens[i] == 0 starts from zero states, whatever its row holds
         (a reused slot still holds its previous request's states).
 
         in_proj_qkv -> conv (`causal_conv1d_prefill`, or `causal_conv1d_decode` when fb.phase == "decode") -> split
@@ -295,7 +295,7 @@ class GatedDeltaNet(nn.Module):
         # BEGIN SOLUTION gdn-layer 04_gated_deltanet: the Gated DeltaNet layer over a ForwardBatch, states in place
         num_tokens = hidden.shape[0]
         key_dim = self.num_k_heads * self.head_k_dim
-        slots = fb.req_slots
+        slots = fb.slots
         # A request with no prefix starts from zero: never read what a reused slot still holds.
         fresh = torch.tensor([p == 0 for p in fb.prefix_lens], device=hidden.device)
 

@@ -1,0 +1,367 @@
+"""Checks of notebook 10: the GDN decode step by slot (`a4/layers/gdn_decode.py`), and the H200 figures it draws.
+
+Ground truths:
+- values: transformers' own torch code for one decode token, `causal_conv1d_update` and
+  `torch_recurrent_gated_delta_rule` (fed what Qwen3_5GatedDeltaNet.forward feeds it), run on copies of the rows the
+  slots name;
+- the pool: rows not named by a slot keep their values bit for bit; the rows named are updated in the pool tensor
+  the function was given (writing into a copy changes nothing the next step reads). A batch padded with a dummy
+  slot, several rows sharing it, must leave the real rows right;
+- capturable: three tests a CPU can run of what a CUDA graph needs. The function runs on the `meta` device, where a
+  tensor has a shape and no values, so anything that reads values into Python fails there (a host sync on a GPU);
+  its number of tensor operations is the same for 1 request as for 4 (no Python loop over the requests); and
+  `torch.compile(backend="eager", fullgraph=True)` traces it as one graph.
+
+The shapes are not the notebook's: value heads 3x key heads or as many, dk != dv, conv kernels 2, 3 and 4.
+`gpu_report` finds the H200 figures the notebook draws (see its docstring).
+"""
+
+from __future__ import annotations
+
+import json
+import linecache
+import os
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from a4._overlay import REPO_ROOT
+from a4.checkpoints import preset_config
+from a4.course.checks import conclude
+from a4.course.checks._harness import DTYPES, compare, compare_dtype, randn, shape_problems, tolerance
+from a4.course.checks.deltanet import CONV_KERNELS, SHAPES
+from a4.models.config import LINEAR_ATTENTION
+
+NUM_SLOTS = 7
+# Real requests in slots out of order; then a padded batch: dummy slot 0 on two rows, as a CUDA-graph bucket pads.
+SLOT_CASES = {"3 requests": [4, 1, 6], "2 requests padded to 4 with dummy slot 0": [5, 0, 2, 0]}
+DUMMY_SLOT = 0
+CONV_CHANNELS = 10
+# Batch sizes whose operation counts must agree (a Python loop over the requests makes them differ).
+LOOP_BATCHES = (1, 4)
+
+
+# ------------------------------------------------------------------------------------------------------- the inputs
+
+
+def conv_inputs(batch: int, kernel: int, dtype: torch.dtype, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Arguments of conv_update_by_slot_ but `slots`: x [B, D], weight [D, 1, K], a random pool [NUM_SLOTS, D, K-1]."""
+    return {
+        "x": randn(batch, CONV_CHANNELS, seed=seed, dtype=dtype),
+        "weight": randn(CONV_CHANNELS, 1, kernel, seed=seed + 1, dtype=dtype),
+        "conv_state": randn(NUM_SLOTS, CONV_CHANNELS, kernel - 1, seed=seed + 2, dtype=dtype),
+    }
+
+
+def rule_inputs(batch: int, shape: tuple[int, ...], dtype: torch.dtype, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Arguments of gated_delta_rule_update_by_slot_ but `slots`, as the layer makes them, and a random state pool."""
+    key_heads, value_heads, dk, dv = shape[:4]
+    return {
+        "q": randn(batch, key_heads, dk, seed=seed, dtype=dtype),
+        "k": randn(batch, key_heads, dk, seed=seed + 1, dtype=dtype),
+        "v": randn(batch, value_heads, dv, seed=seed + 2, dtype=dtype),
+        "a": randn(batch, value_heads, seed=seed + 3, dtype=dtype),
+        "b": randn(batch, value_heads, seed=seed + 4, dtype=dtype),
+        # As transformers initialises them: A in [1, 16] (strong and weak decays), dt_bias around 1.
+        "A_log": (1 + 15 * torch.rand(value_heads, generator=torch.Generator().manual_seed(seed + 5))).log().to(dtype),
+        "dt_bias": (1 + 0.5 * randn(value_heads, seed=seed + 6)).to(dtype),
+        "state": 0.5 * randn(NUM_SLOTS, value_heads, dk, dv, seed=seed + 7),
+    }
+
+
+def slot_tensor(slots: list[int]) -> torch.Tensor:
+    return torch.tensor(slots, dtype=torch.int64)
+
+
+# ----------------------------------------------------------------------------------------------- transformers' code
+
+
+def transformers_conv(x: torch.Tensor, weight: torch.Tensor, states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' causal_conv1d_update on copies of the rows `states` [B, D, K-1]: (y [B, D], new states).
+
+    transformers keeps K inputs where a4 keeps K-1; the oldest is never read by a one-token step (zeros here)."""
+    from transformers.models.qwen3_5.modeling_qwen3_5 import causal_conv1d_update
+
+    hf_state = torch.cat([torch.zeros_like(states[:, :, :1]), states], dim=2)
+    y = causal_conv1d_update(x[:, :, None], hf_state, weight.squeeze(1), activation="silu")[:, :, 0]
+    return y, hf_state[:, :, 1:]
+
+
+def transformers_rule(inputs: dict[str, torch.Tensor], states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' torch_recurrent_gated_delta_rule for one token, from copies of the rows `states`, fed as
+    Qwen3_5GatedDeltaNet.forward feeds it (beta and g computed as it does, l2 norm in the kernel):
+    (o [B, Hv, dv] float32, new states [B, Hv, dk, dv])."""
+    from transformers.models.qwen3_5.modeling_qwen3_5 import torch_recurrent_gated_delta_rule
+
+    a, b, A_log, dt_bias = (inputs[name] for name in ("a", "b", "A_log", "dt_bias"))
+    g = -A_log.float().exp() * F.softplus(a.float() + dt_bias)
+    # q, k, v go in as float32 (an exact conversion: transformers converts them itself), so o comes out in float32.
+    o, final = torch_recurrent_gated_delta_rule(
+        *(inputs[name][:, None].float() for name in ("q", "k", "v")),
+        g=g[:, None],
+        beta=b.sigmoid()[:, None],
+        initial_state=states.clone(),
+        output_final_state=True,
+        use_qk_l2norm_in_kernel=True,
+    )
+    return o[:, 0], final
+
+
+def rule_tolerance(dk: int) -> float:
+    """float32 (see `_harness.tolerance`): the l2 norms, S^T k and S^T q are each a dk-long sum."""
+    return tolerance(torch.float32, 3 * dk)
+
+
+# ------------------------------------------------------------------------------------------------------- the pool
+
+
+def pool_problems(label: str, pool: torch.Tensor, before: torch.Tensor, slots: list[int], expected: torch.Tensor,
+                  allowed: float | None) -> list[str]:
+    """The pool after the call: each real slot's row as expected (equal when allowed is None), the rows no slot
+    names untouched, and the pool tensor itself written (not a copy of it)."""
+    if torch.equal(pool, before):
+        return [f"{label}: the pool is unchanged: write the new states into the pool tensor you are given, in place "
+                "(index_copy_), not into a copy of it"]
+    problems = []
+    for i in _real_rows(slots):
+        row, want = pool[slots[i]], expected[i]
+        where = f"{label}: the new state in slot {slots[i]} (request {i})"
+        if allowed is None:  # a copy of inputs: equal, bit for bit
+            if not torch.equal(row, want):
+                problems.append(f"{where} must be the last K-1 inputs (its old state + x)")
+        else:
+            problems += compare(where, row, want, allowed)
+    changed = [slot for slot in range(pool.shape[0]) if slot not in slots and not torch.equal(pool[slot], before[slot])]
+    if changed:
+        problems.append(f"{label}: slot(s) {changed} are not in `slots` {slots} but were changed: write only the "
+                        "batch's rows")
+    return problems
+
+
+def _real_rows(slots: list[int]) -> list[int]:
+    """The rows of the batch that are requests, not padding (padding rows share the dummy slot: garbage)."""
+    padded = slots.count(DUMMY_SLOT) > 1
+    return [i for i, slot in enumerate(slots) if not (padded and slot == DUMMY_SLOT)]
+
+
+def _real(tensor: torch.Tensor, slots: list[int]) -> torch.Tensor:
+    return tensor[_real_rows(slots)]
+
+
+# ------------------------------------------------------------------------------------------------------ the checks
+
+
+def update_problems(label: str, slots: list[int], pool: torch.Tensor, update: Callable[[], torch.Tensor],
+                    reference: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+                    allowed: float, state_allowed: float | None, elementwise: bool) -> list[str]:
+    """Run update() (which updates `pool` by `slots`) and compare its output and the pool with what reference(copies
+    of the slots' rows) returns: (output, new rows). The padding rows' outputs are not compared."""
+    before = pool.clone()
+    expected, expected_states = reference(before[slots])
+    output = update()
+    if wrong := shape_problems(f"{label}: output", output, expected.shape):
+        return wrong
+    problems = compare_dtype(f"{label}: output", _real(output, slots), _real(expected, slots), allowed, elementwise)
+    return problems + pool_problems(label, pool, before, slots, expected_states, state_allowed)
+
+
+def check_conv_by_slot(conv_update: Callable) -> None:
+    """conv_update_by_slot_ against transformers' causal_conv1d_update, for conv kernels 2, 3 and 4 in float32 and
+    bfloat16, three requests in slots out of order and a batch padded with a shared dummy slot."""
+    problems = []
+    for kernel in CONV_KERNELS:
+        for dtype_name, dtype in DTYPES.items():
+            for case, slots in SLOT_CASES.items():
+                i = conv_inputs(len(slots), kernel, dtype, seed=kernel)
+                problems += update_problems(
+                    f"kernel {kernel}, {dtype_name}, {case}", slots, i["conv_state"],
+                    lambda: conv_update(i["x"], i["weight"], i["conv_state"], slot_tensor(slots)),
+                    lambda rows: transformers_conv(i["x"], i["weight"], rows),
+                    # A sum of `kernel` products per value, one rounding; the new states are copies of inputs.
+                    allowed=tolerance(dtype, kernel), state_allowed=None, elementwise=True,
+                )  # fmt: skip
+    conclude(problems, "conv_update_by_slot_ matches transformers' causal_conv1d_update; the slots' conv states are "
+                       "updated in the pool, every other slot untouched, padded rows harmless")
+
+
+def check_rule_by_slot(rule_update: Callable) -> None:
+    """gated_delta_rule_update_by_slot_ against transformers' torch_recurrent_gated_delta_rule, for three head
+    layouts with inputs in float32 and bfloat16, three requests in slots out of order and a padded batch."""
+    problems = []
+    for shape_name, shape in SHAPES.items():
+        dk = shape[2]
+        for dtype_name, dtype in DTYPES.items():
+            for case, slots in SLOT_CASES.items():
+                i = rule_inputs(len(slots), shape, dtype, seed=dk)
+                problems += update_problems(
+                    f"{shape_name}, {dtype_name}, {case}", slots, i["state"],
+                    lambda: rule_update(**i, slots=slot_tensor(slots)),
+                    lambda rows: transformers_rule(i, rows),
+                    allowed=rule_tolerance(dk), state_allowed=rule_tolerance(dk), elementwise=False,
+                )  # fmt: skip
+    conclude(problems, "gated_delta_rule_update_by_slot_ matches transformers' torch_recurrent_gated_delta_rule; the "
+                       "slots' states are updated in the pool, every other slot untouched, padded rows harmless")
+
+
+def check_graph_safe(conv_update: Callable, rule_update: Callable) -> None:
+    """Both functions as a CUDA graph needs them: no host sync, no Python loop over the requests, one graph."""
+    shape = next(iter(SHAPES.values()))
+
+    def conv_call(batch: int) -> tuple[Callable, dict[str, torch.Tensor]]:
+        return conv_update, {**conv_inputs(batch, 4, torch.bfloat16), "slots": slot_tensor(list(range(1, batch + 1)))}
+
+    def rule_call(batch: int) -> tuple[Callable, dict[str, torch.Tensor]]:
+        return rule_update, {**rule_inputs(batch, shape, torch.bfloat16), "slots": slot_tensor(list(range(batch)))}
+
+    problems = []
+    for make_call in (conv_call, rule_call):
+        fn, _ = make_call(1)
+        name = getattr(fn, "__name__", repr(fn))
+        # Once as it is first: an unwritten exercise, or an error of its own, shows as itself, not as a capture problem.
+        fn(**make_call(2)[1])
+        problems += [f"{name}: {p}" for p in capture_problems(make_call)]
+    conclude(problems, "both functions are capturable: no host sync, the same operations for any batch size, one "
+                       "graph under torch.compile(fullgraph=True)")
+
+
+# --------------------------------------------------------------------------------------------- capturable or not
+
+
+def capture_problems(make_call: Callable[[int], tuple[Callable, dict[str, torch.Tensor]]]) -> list[str]:
+    """What stops fn from being captured in a CUDA graph; make_call(batch) -> (fn, its keyword arguments)."""
+    fn, kwargs = make_call(LOOP_BATCHES[-1])
+    if sync := host_sync(fn, kwargs):
+        return [sync]
+    counts = {batch: len(aten_ops(fn, on_meta(make_call(batch)[1]))) for batch in LOOP_BATCHES}
+    if len(set(counts.values())) > 1:
+        described = ", ".join(f"{n} for {batch} request(s)" for batch, n in counts.items())
+        return [f"its number of tensor operations grows with the batch ({described}): a Python loop over the "
+                "requests. A graph replays a fixed list of kernels for one batch size; work on all rows at once "
+                "(index_select, batched products, index_copy_)"]
+    return graph_problems(make_call)
+
+
+def host_sync(fn: Callable, kwargs: dict[str, torch.Tensor]) -> str | None:
+    """None if fn runs on `meta` tensors (shapes, no values); else why not, at which line of the student's code."""
+    try:
+        fn(**on_meta(kwargs))
+    except NotImplementedError as e:
+        if str(e).startswith("Exercise "):
+            raise
+        return _needs_values(fn, e)
+    except RuntimeError as e:
+        return _needs_values(fn, e)
+    return None
+
+
+def _needs_values(fn: Callable, error: Exception) -> str:
+    return (f"it reads tensor values into Python ({_user_line(fn, error)}: {str(error).splitlines()[0]}). On a GPU "
+            "that is a host sync: Python waits for the GPU (`.item()`, `.tolist()`, `int(t)`, `if t:`, a loop over "
+            "`slots`, a boolean mask), and a CUDA graph replays without Python, so a decision taken from those "
+            "values would be frozen at capture. Keep everything in tensor operations")
+
+
+def _user_line(fn: Callable, error: BaseException) -> str:
+    """'line N: `source`' of the deepest frame in fn's file (where the student's code is) of error's traceback, or of
+    the code torch.compile was tracing (`real_stack`)."""
+    filename = fn.__code__.co_filename
+    stack = [*traceback.extract_tb(error.__traceback__), *(getattr(error, "real_stack", None) or [])]
+    frames = [frame for frame in stack if frame.filename == filename]
+    if not frames:
+        return f"in {fn.__name__}"
+    line = linecache.getline(filename, frames[-1].lineno).strip()
+    return f"line {frames[-1].lineno}: `{line}`"
+
+
+class _OpRecorder(TorchDispatchMode):
+    """Records every ATen operation run under it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def on_meta(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The same arguments with every tensor on the `meta` device: shapes and dtypes, no values."""
+    return {name: value.to("meta") if isinstance(value, torch.Tensor) else value for name, value in kwargs.items()}
+
+
+def aten_ops(fn: Callable, kwargs: dict[str, Any]) -> list[str]:
+    """The ATen operations fn(**kwargs) runs, in order: on a GPU, about one kernel launch each. On `meta` tensors
+    (`on_meta`) the list comes without the arithmetic."""
+    with _OpRecorder() as recorder:
+        fn(**kwargs)
+    return recorder.ops
+
+
+def graph_problems(make_call: Callable[[int], tuple[Callable, dict[str, torch.Tensor]]]) -> list[str]:
+    """torch.compile(backend="eager", fullgraph=True) traces fn in one graph (the CPU's stand-in for a capture)."""
+    fn, kwargs = make_call(LOOP_BATCHES[-1])
+    torch._dynamo.reset()
+    try:
+        torch.compile(fn, backend="eager", fullgraph=True, dynamic=False)(**kwargs)
+    except Exception as e:  # noqa: BLE001 - any failure to trace is what is reported
+        return [f"torch.compile(fullgraph=True) cannot trace it as one graph ({_user_line(fn, e)}): "
+                f"{str(e).strip().splitlines()[0]}"]
+    finally:
+        torch._dynamo.reset()
+    return []
+
+
+# ------------------------------------------------------------------------------------------------ the real shapes
+
+
+@dataclass(frozen=True)
+class GDNShapes:
+    """A Qwen3.5 model's GDN layer shapes, from its config.json's fields (not from a4's ModelConfig)."""
+
+    key_heads: int
+    value_heads: int
+    dk: int
+    dv: int
+    kernel: int
+    gdn_layers: int
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the conv: q, k (key heads x dk each) and v (value heads x dv)."""
+        return 2 * self.key_heads * self.dk + self.value_heads * self.dv
+
+
+def gdn_shapes(preset: str, arch: str = "qwen3_5") -> GDNShapes:
+    text = preset_config(arch, preset)["text_config"]
+    return GDNShapes(
+        key_heads=text["linear_num_key_heads"],
+        value_heads=text["linear_num_value_heads"],
+        dk=text["linear_key_head_dim"],
+        dv=text["linear_value_head_dim"],
+        kernel=text["linear_conv_kernel_dim"],
+        gdn_layers=text["layer_types"].count(LINEAR_ATTENTION),
+    )
+
+
+# ------------------------------------------------------------------------------------------------- the H200 figures
+
+# Where the course keeps its H200 run (written by `python -m a4 bench gpu` on the H200); A4_GPU_REPORT overrides it.
+H200_REPORT = REPO_ROOT / "notebooks" / "data" / "h200_gpu.json"
+GPU_REPORT_ENV = "A4_GPU_REPORT"
+
+
+def gpu_report(path: Path | None = None) -> dict[str, Any] | None:
+    """The H200 figures: the file `path`, else $A4_GPU_REPORT, else the course's run (H200_REPORT); None if none
+    exists (it says so)."""
+    path = Path(path or os.environ.get(GPU_REPORT_ENV) or H200_REPORT)
+    if not path.is_file():
+        print(f"No H200 figures at {path}: the cells that draw them show nothing.")
+        return None
+    return json.loads(path.read_text())

@@ -1,0 +1,192 @@
+"""Triton kernels for one Gated DeltaNet decode step, in place on the state pool by slot index.
+
+Same contracts (and numbers, to float32 rounding) as the torch reference of notebook 10
+(`a4.layers.gdn_decode.conv_update_by_slot_` / `gated_delta_rule_update_by_slot_`); the engine calls these on CUDA.
+
+Why kernels of our own: in torch the decode step of a GDN layer is a chain of small ops (gather the state rows,
+l2-normalise, scale, repeat the key heads, gate, the four steps of the rule, scatter back), each a kernel launch and
+each a pass over the state: ~8 reads or writes of 1 MiB of float32 state per request per layer at Qwen3.5-0.8B's
+shapes, and ~30 launches, when the work is one read and one write of that state. Here each op is one launch that
+reads a state row once and writes it once, and does everything else in registers:
+- `conv_update_by_slot_`: one program per (request, block of channels) reads the K-1 stored inputs, adds the new
+  one, writes silu(conv) and the shifted window back to the same pool row;
+- `gated_delta_rule_update_by_slot_`: one program per (request, value head, block of dv columns). The columns of
+  S are independent in the rule (delta_j, S[:, j] and o_j only involve column j), so a [dk, BLOCK_V] tile of the
+  state is the whole problem of its program: load it, decay, correct, read, store. q and k (dk values each) are
+  l2-normalised by every program that needs them, which costs less than a launch of its own.
+Slots are read on the device and nothing depends on host-side values, so both kernels can be captured in a CUDA
+graph; padded rows of a graph batch may share one dummy slot (their writes to it race, harmlessly).
+
+In-place safety: no thread of a program may overwrite a state value that another thread of it has yet to read.
+The conv reads and writes its K-1 columns as separate [BLOCK_D] vectors of one layout, and one warp of 32 threads
+(at most 8 elements each) covers no more than BLOCK_D = 256 channels, so each channel has one owning thread, which
+reads a column before it writes it. The recurrence's tile passes through cross-warp reductions (a barrier) between
+its load and its store.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# Channels per conv program, and one warp: every channel has exactly one owning thread (see above).
+CONV_BLOCK_D = 256
+CONV_WARPS = 1
+
+
+@triton.jit
+def _conv_update_kernel(
+    x_ptr, weight_ptr, state_ptr, slots_ptr, y_ptr,
+    dim,
+    stride_x_row, stride_w_dim, stride_w_tap, stride_s_slot, stride_s_dim, stride_s_tap, stride_y_row,
+    KERNEL: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    row = tl.program_id(0)
+    d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    in_dim = d < dim
+    slot = tl.load(slots_ptr + row)
+    state_row = state_ptr + slot * stride_s_slot + d * stride_s_dim
+    x = tl.load(x_ptr + row * stride_x_row + d, mask=in_dim, other=0.0)
+    # The window is the K-1 stored inputs then x; tap KERNEL-1 of the filter meets x.
+    acc = x.to(tl.float32) * tl.load(weight_ptr + d * stride_w_dim + (KERNEL - 1) * stride_w_tap, mask=in_dim).to(
+        tl.float32
+    )
+    for tap in tl.static_range(KERNEL - 1):
+        stored = tl.load(state_row + tap * stride_s_tap, mask=in_dim, other=0.0)
+        acc += stored.to(tl.float32) * tl.load(weight_ptr + d * stride_w_dim + tap * stride_w_tap, mask=in_dim).to(
+            tl.float32
+        )
+        if tap > 0:  # shift left: column tap moves to tap-1, after column tap-1 has been read
+            tl.store(state_row + (tap - 1) * stride_s_tap, stored, mask=in_dim)
+    tl.store(state_row + (KERNEL - 2) * stride_s_tap, x.to(state_ptr.dtype.element_ty), mask=in_dim)
+    # The conv's output is rounded to x's dtype before silu, as F.conv1d then F.silu give it.
+    conv = acc.to(x.dtype).to(tl.float32)
+    tl.store(y_ptr + row * stride_y_row + d, (conv / (1.0 + tl.exp(-conv))).to(y_ptr.dtype.element_ty), mask=in_dim)
+
+
+def conv_update_by_slot_(
+    x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, slots: torch.Tensor
+) -> torch.Tensor:
+    """One decode token of the causal conv + silu for B requests, their conv states updated in place by slot.
+
+    x [B, D] (model dtype); weight [D, 1, K]; conv_state [num_slots, D, K-1]; slots [B] int64 on x's device.
+    Returns y [B, D] in x's dtype; conv_state[slots] becomes the last K-1 inputs.
+    """
+    batch, dim = x.shape
+    kernel = weight.shape[-1]
+    if weight.shape != (dim, 1, kernel) or conv_state.shape[1:] != (dim, kernel - 1) or kernel < 2:
+        raise ValueError(
+            f"conv_update_by_slot_: x {tuple(x.shape)}, weight {tuple(weight.shape)} and conv_state "
+            f"{tuple(conv_state.shape)} do not fit x [B, D], weight [D, 1, K], conv_state [slots, D, K-1]"
+        )
+    if slots.shape != (batch,):
+        raise ValueError(f"conv_update_by_slot_: slots {tuple(slots.shape)} should be [{batch}]")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    y = torch.empty_like(x, memory_format=torch.contiguous_format)
+    _conv_update_kernel[(batch, triton.cdiv(dim, CONV_BLOCK_D))](
+        x, weight, conv_state, slots, y,
+        dim,
+        x.stride(0), weight.stride(0), weight.stride(2),
+        conv_state.stride(0), conv_state.stride(1), conv_state.stride(2), y.stride(0),
+        KERNEL=kernel, BLOCK_D=CONV_BLOCK_D, num_warps=CONV_WARPS,
+    )
+    return y
+
+
+@triton.jit
+def _gated_delta_rule_update_kernel(
+    q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, state_ptr, slots_ptr, o_ptr,
+    dk, dv, scale,
+    stride_q_row, stride_q_head, stride_k_row, stride_k_head, stride_v_row, stride_v_head,
+    stride_a_row, stride_b_row,
+    stride_s_slot, stride_s_head, stride_s_k, stride_s_v,
+    stride_o_row, stride_o_head,
+    GROUP: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    row = tl.program_id(0)
+    head = tl.program_id(1)
+    key_head = head // GROUP  # value head h reads key head h // (Hv / Hk)
+    i = tl.arange(0, BLOCK_K)
+    j = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
+    in_k = i < dk
+    in_v = j < dv
+
+    q = tl.load(q_ptr + row * stride_q_row + key_head * stride_q_head + i, mask=in_k, other=0.0).to(tl.float32)
+    k = tl.load(k_ptr + row * stride_k_row + key_head * stride_k_head + i, mask=in_k, other=0.0).to(tl.float32)
+    q = q * tl.rsqrt(tl.sum(q * q) + 1e-6) * scale
+    k = k * tl.rsqrt(tl.sum(k * k) + 1e-6)
+    v = tl.load(v_ptr + row * stride_v_row + head * stride_v_head + j, mask=in_v, other=0.0).to(tl.float32)
+
+    # beta = sigmoid(b) rounded to b's dtype (the layer takes the sigmoid of the projection's output, then .float()).
+    b = tl.load(b_ptr + row * stride_b_row + head)
+    beta = tl.sigmoid(b.to(tl.float32)).to(b.dtype).to(tl.float32)
+    # g = -exp(A_log) * softplus(a + dt_bias), softplus with torch's threshold (x above 20 stays x).
+    x = tl.load(a_ptr + row * stride_a_row + head).to(tl.float32) + tl.load(dt_bias_ptr + head).to(tl.float32)
+    softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(x)))
+    g = -tl.exp(tl.load(a_log_ptr + head).to(tl.float32)) * softplus
+
+    slot = tl.load(slots_ptr + row)
+    tile = state_ptr + slot * stride_s_slot + head * stride_s_head + i[:, None] * stride_s_k + j[None, :] * stride_s_v
+    in_tile = in_k[:, None] & in_v[None, :]
+    s = tl.load(tile, mask=in_tile, other=0.0) * tl.exp(g)
+    delta = beta * (v - tl.sum(s * k[:, None], axis=0))  # beta (v - S^T k), for this tile's columns
+    s += k[:, None] * delta[None, :]
+    o = tl.sum(s * q[:, None], axis=0)
+    tl.store(tile, s, mask=in_tile)
+    tl.store(o_ptr + row * stride_o_row + head * stride_o_head + j, o, mask=in_v)
+
+
+def gated_delta_rule_update_by_slot_(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    state: torch.Tensor,
+    slots: torch.Tensor,
+) -> torch.Tensor:
+    """One decode token of the gated delta rule for B requests, their recurrent states updated in place by slot.
+
+    q, k [B, Hk, dk], v [B, Hv, dv] (model dtype, views of the conv output are fine); a, b [B, Hv]; A_log, dt_bias
+    [Hv]; state [num_slots, Hv, dk, dv] float32; slots [B] int64. Returns o [B, Hv, dv] float32. The l2-norm of q
+    and k, q's dk^-0.5, the head grouping, beta and g are computed inside the kernel, as the layer does them.
+    """
+    batch, num_k_heads, dk = k.shape
+    _, num_v_heads, dv = v.shape
+    if q.shape != k.shape or v.shape[0] != batch or num_v_heads % num_k_heads:
+        raise ValueError(
+            f"gated_delta_rule_update_by_slot_: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not "
+            "fit q, k [B, Hk, dk], v [B, Hv, dv] with Hv a multiple of Hk"
+        )
+    if state.dtype != torch.float32 or state.shape[1:] != (num_v_heads, dk, dv):
+        raise ValueError(
+            f"gated_delta_rule_update_by_slot_: state {state.dtype} {tuple(state.shape)} should be float32 "
+            f"[slots, {num_v_heads}, {dk}, {dv}]"
+        )
+    if a.shape != (batch, num_v_heads) or b.shape != (batch, num_v_heads) or slots.shape != (batch,):
+        raise ValueError(
+            f"gated_delta_rule_update_by_slot_: a {tuple(a.shape)}, b {tuple(b.shape)}, slots {tuple(slots.shape)} "
+            f"should be [{batch}, {num_v_heads}], [{batch}, {num_v_heads}], [{batch}]"
+        )
+    q, k, v = (t if t.stride(2) == 1 else t.contiguous() for t in (q, k, v))
+    a, b = (t if t.stride(1) == 1 else t.contiguous() for t in (a, b))
+    block_k = max(16, triton.next_power_of_2(dk))
+    # 16 columns per program: 128 programs for one request at the 0.8B shapes (16 heads x 128 / 16), about one per
+    # SM of an H200; four warps share a [128, 16] tile, one warp the tiny shapes' [16, 16].
+    block_v = 16
+    num_warps = 4 if block_k >= 64 else 1
+    o = torch.empty(batch, num_v_heads, dv, dtype=torch.float32, device=v.device)
+    _gated_delta_rule_update_kernel[(batch, num_v_heads, triton.cdiv(dv, block_v))](
+        q, k, v, a, b, A_log, dt_bias, state, slots, o,
+        dk, dv, dk**-0.5,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        a.stride(0), b.stride(0),
+        state.stride(0), state.stride(1), state.stride(2), state.stride(3),
+        o.stride(0), o.stride(1),
+        GROUP=num_v_heads // num_k_heads, BLOCK_K=block_k, BLOCK_V=block_v, num_warps=num_warps,
+    )
+    return o

@@ -1,0 +1,95 @@
+"""Which code runs a Gated DeltaNet layer in a step: the layer's own forward (notebook 04), or its graph-safe decode.
+
+A GDN layer reaches its memory as an attention layer does: through the step's context, at its own layer of the pool
+(`fb.state_pool.conv_state(pool_layer)` as `fb.kv_pool.get_kv(pool_layer)`), rows chosen by `fb.slots`.
+
+- Eager steps (prefill, and decode outside the static runner) call `GatedDeltaNet.forward`: notebook 04's code,
+  which builds per-step facts from the host lists of the context.
+- A graph-safe step (`fb.graph_safe`: a decode step of a4/engine/graph_runner.py, maybe being captured in a CUDA
+  graph) may read only tensors, and must update the states in place by slot: the layer's weights with the
+  by-slot primitives, a4's Triton kernels on CUDA (a4/kernels/gdn_decode.py) and notebook 10's torch functions
+  elsewhere (a4/layers/gdn_decode.py). Each state row is read once and written once per step.
+- A bfloat16 prefill on CUDA with flash-linear-attention installed (the `gpu` extra) runs its varlen kernels over
+  the whole batch by slot: notebook 04's chunked rule loops over chunks in Python, thousands of launches for a long prompt.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+
+from a4.core import ForwardBatch
+from a4.layers.deltanet import GatedDeltaNet
+
+
+def gdn_forward(layer: GatedDeltaNet, hidden: torch.Tensor, fb: ForwardBatch, pool_layer: int) -> torch.Tensor:
+    """hidden [T, hidden_size] -> [T, hidden_size]; the layer's states are state-pool layer `pool_layer`."""
+    conv_state, recurrent_state = fb.state_pool.conv_state(pool_layer), fb.state_pool.recurrent_state(pool_layer)
+    if fb.graph_safe:
+        return gdn_by_slot(layer, hidden, fb, conv_state, recurrent_state)
+    # fla's kernels compute float32 products in TF32: a float32 model keeps notebook 04's exact arithmetic.
+    if fb.phase == "prefill" and hidden.is_cuda and hidden.dtype != torch.float32 and _fla_available():
+        return gdn_by_slot(layer, hidden, fb, conv_state, recurrent_state)
+    return layer(hidden, fb, conv_state, recurrent_state)
+
+
+def _triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def _fla_available() -> bool:
+    if not _triton_available():
+        return False
+    from a4.kernels.fla_prefill import fla_available
+
+    return fla_available()
+
+
+def gdn_by_slot(
+    layer: GatedDeltaNet,
+    hidden: torch.Tensor,
+    fb: ForwardBatch,
+    conv_state: torch.Tensor,
+    recurrent_state: torch.Tensor,
+) -> torch.Tensor:
+    """The arithmetic of `GatedDeltaNet.forward` (see its docstring) from the layer's weights, with the conv and the
+    delta rule as by-slot primitives that read each request's pool rows and write its final states back in place.
+
+    Decode (one token per row, graph-safe: no host lists): `conv_update_by_slot_` and
+    `gated_delta_rule_update_by_slot_`, Triton's on CUDA, notebook 10's torch functions elsewhere. Prefill on CUDA:
+    flash-linear-attention's varlen conv and chunked rule over the flattened batch (a4/kernels/fla_prefill.py).
+    """
+    num_tokens = hidden.shape[0]
+    key_dim = layer.num_k_heads * layer.head_k_dim
+    mixed_qkv = layer.in_proj_qkv(hidden)
+    if fb.phase == "decode":
+        if hidden.is_cuda and _triton_available():
+            from a4.kernels import gdn_decode as ops
+        else:
+            from a4.layers import gdn_decode as ops
+        conv, rule, varlen = ops.conv_update_by_slot_, ops.gated_delta_rule_update_by_slot_, ()
+    else:
+        from a4.kernels import fla_prefill as ops
+
+        # A request that starts here starts from zero states, whatever its slot still holds.
+        fresh = torch.tensor([p == 0 for p in fb.prefix_lens], device=hidden.device)
+        conv, rule = ops.causal_conv1d_prefill_by_slot_, ops.chunk_gated_delta_rule_by_slot_
+        varlen = (fb.cu_seqlens, fresh)
+    x = conv(mixed_qkv, layer.conv1d.weight, conv_state, fb.slots, *varlen)
+    q, k, v = x.split([key_dim, key_dim, layer.num_v_heads * layer.head_v_dim], dim=-1)
+    o = rule(
+        q.reshape(num_tokens, layer.num_k_heads, layer.head_k_dim),
+        k.reshape(num_tokens, layer.num_k_heads, layer.head_k_dim),
+        v.reshape(num_tokens, layer.num_v_heads, layer.head_v_dim),
+        layer.in_proj_a(hidden),
+        layer.in_proj_b(hidden),
+        layer.A_log,
+        layer.dt_bias,
+        recurrent_state,
+        fb.slots,
+        *varlen,
+    )
+    z = layer.in_proj_z(hidden).reshape(num_tokens, layer.num_v_heads, layer.head_v_dim)
+    o = layer.norm(o.to(hidden.dtype), z)
+    return layer.out_proj(o.reshape(num_tokens, -1))

@@ -1,0 +1,77 @@
+# GENERATED from solutions/a4/layers/gdn_decode.py by `python -m a4.course sync`.
+# Students: edit this file. Course maintainers: edit solutions/a4/layers/gdn_decode.py instead
+# and run `python -m a4.course sync`.
+"""Exercises (notebook 10): the Gated DeltaNet decode step in a form a CUDA graph can capture.
+
+On a GPU a decode step of a small model is mostly waiting: each of its thousands of small kernels takes a few
+microseconds of GPU time, and Python takes longer than that to launch it. A CUDA graph removes the wait: the
+engine records the step's kernels once (capture) and launches the whole recording with one call (replay). Replay
+runs exactly the recorded kernels, on exactly the recorded memory, so the step must be written for it:
+
+- static shapes: one recording per batch size (padded up to a bucket: 1, 2, 4, 8, ...), every tensor at a fixed
+  address; new inputs are copied into the recorded buffers before each replay;
+- state by index: a request's state is not gathered into a new tensor and handed to the layer; the layer reads and
+  writes its rows of the state pool in place, at the slot indices it finds in a device tensor (`slots`). A padded
+  row of the batch points at a dummy slot that no request owns (several rows may share it): what it computes and
+  writes there is garbage, and harmless;
+- no host sync: nothing in the step may wait for the GPU to hand a value back to Python (`.item()`, `.tolist()`,
+  `if tensor:`, a Python loop over the requests, an output whose shape depends on values). Python does not run
+  during replay, so whatever it would have decided from those values is frozen at capture time.
+
+These two functions are the GDN layer's decode step in that form. They compute the same numbers as notebook 04's
+`causal_conv1d_decode` and `recurrent_gated_delta_rule` inside `GatedDeltaNet.forward`, but by slot: `index_select`
+reads the batch's rows of the pool, `index_copy_` writes them back, and every request is a row of the same batched
+tensor operations. On the CPU the static-buffer decode runner uses them as they are; on a GPU a4's Triton kernels
+(a4/kernels) do the same work in one kernel per function.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def conv_update_by_slot_(
+    x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, slots: torch.Tensor
+) -> torch.Tensor:
+    """One decode token of the causal conv + silu for B requests, their conv states updated in the pool.
+
+    x: [B, D] in the model dtype, each request's new in_proj_qkv output. weight: [D, 1, K] (`conv1d.weight`).
+    conv_state: [num_slots, D, K-1], one GDN layer's conv states in the pool (model dtype). slots: [B] int64, the
+    pool row of each request (a dummy slot, possibly shared, for padded rows).
+
+    Returns y [B, D] in x's dtype: for each request, silu(sum_j weight[:, 0, j] * window[:, j]) over its K inputs,
+    window = its K-1 stored inputs followed by x. Rows `slots` of conv_state become the last K-1 inputs of each
+    window, written in place (conv_state stays the same tensor); no other row changes. No Python loop over the
+    requests, no host sync.
+    """
+    raise NotImplementedError("Exercise gdn-conv-by-slot: gather the slots' conv states, conv + silu, write the new states back (notebooks/10_gpu.ipynb)")
+
+
+def gated_delta_rule_update_by_slot_(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    state: torch.Tensor,
+    slots: torch.Tensor,
+) -> torch.Tensor:
+    """One decode token of the gated delta rule for B requests, their recurrent states updated in the pool.
+
+    q, k: [B, Hk, dk] and v: [B, Hv, dv], the conv output split into heads (model dtype). a, b: [B, Hv], the
+    in_proj_a and in_proj_b outputs (model dtype). A_log, dt_bias: [Hv], the layer's parameters.
+    state: [num_slots, Hv, dk, dv] float32, one GDN layer's recurrent states in the pool. slots: [B] int64, as for
+    `conv_update_by_slot_`.
+
+    Returns o [B, Hv, dv] in float32. As GatedDeltaNet.forward prepares them (notebook 04), in float32: q and k
+    l2-normalised (x * rsqrt(sum(x^2) + 1e-6)), q scaled by dk^-0.5, value head h reading key head h // (Hv / Hk);
+    beta = sigmoid(b) (in b's dtype, then float32), g = -exp(A_log) * softplus(a + dt_bias). Then, with S the
+    request's [Hv, dk, dv] state:
+        S <- S * exp(g);  delta = beta * (v - S^T k);  S <- S + k delta^T;  o = S^T q
+    Rows `slots` of state become the new S, written in place (state stays the same tensor); no other row changes.
+    No Python loop over the requests, no host sync.
+    """
+    raise NotImplementedError("Exercise gdn-rule-by-slot: prepare q, k, v, g, beta, then one recurrence step on the slots' states (notebooks/10_gpu.ipynb)")

@@ -1,0 +1,443 @@
+"""a4's GPU kernels (`a4.kernels`) against naive torch written here: loops over rows, heads and tokens.
+
+- `conv_update_by_slot_` and `gated_delta_rule_update_by_slot_`: two decode steps in a row, float32 and bfloat16, at
+  Qwen3.5-0.8B's and the tiny preset's GDN shapes, padded rows sharing one dummy slot; the rows of the pool that no
+  request names stay bit-for-bit untouched;
+- `paged_decode_attention`: lengths from 1 to past several splits, page sizes 1 and 16 (locations scattered through
+  the pool, read through req_to_token), GQA, head_dim 256 / 128 / 32, a padded row;
+- the three captured in one CUDA graph and replayed with other slots and lengths in the same buffers;
+- the fla prefill (where flash-linear-attention is importable): varlen batch, nonzero initial states from the pool,
+  final states written back, against the token-by-token recurrence.
+
+Skipped where CUDA is absent. For development without a GPU, A4_TRITON_INTERPRET=1 runs them on the CPU under
+Triton's interpreter (Triton importable, e.g. PYTHONPATH=$PWD:/path/to/triton): slow, and without the fla tests.
+"""
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from a4.checkpoints import preset_config
+
+INTERPRET = os.environ.get("A4_TRITON_INTERPRET") == "1"
+if INTERPRET:
+    os.environ["TRITON_INTERPRET"] = "1"  # read by triton.jit when the kernel modules are imported
+DEVICE = "cpu" if INTERPRET else "cuda" if torch.cuda.is_available() else None
+if DEVICE is None:
+    pytest.skip("CUDA is absent (A4_TRITON_INTERPRET=1: Triton's CPU interpreter)", allow_module_level=True)
+if INTERPRET:
+    # Development-only shims for two gaps of Triton 3.6's interpreter (never active on a GPU): it turns a loop bound
+    # read from memory into an int with int(array of shape [1]), which NumPy 2 refuses; and its tl.dot multiplies
+    # bfloat16 operands as the uint16 words it stores them in.
+    import numpy as np
+    import triton.language as tl
+    import triton.runtime.interpreter as interpreter
+
+    _patch_lang_tensor = interpreter._patch_lang_tensor
+    _create_dot = interpreter.InterpreterBuilder.create_dot
+
+    def _patch_with_index(tensor, scope):
+        _patch_lang_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    def _create_dot_bf16(self, a, b, d, input_precision, max_num_imprecise_acc):
+        if a.dtype == tl.bfloat16:
+            a, b = (
+                interpreter.TensorHandle(
+                    interpreter._convert_float(x.data, tl.bfloat16, tl.float32, None).view(np.float32), tl.float32
+                )
+                for x in (a, b)
+            )
+        return _create_dot(self, a, b, d, input_precision, max_num_imprecise_acc)
+
+    interpreter._patch_lang_tensor = _patch_with_index
+    interpreter.InterpreterBuilder.create_dot = _create_dot_bf16
+
+from a4.kernels.fla_prefill import (  # noqa: E402 - only where the kernels can run
+    causal_conv1d_prefill_by_slot_,
+    chunk_gated_delta_rule_by_slot_,
+    fla_available,
+)
+from a4.kernels.gdn_decode import conv_update_by_slot_, gated_delta_rule_update_by_slot_  # noqa: E402
+from a4.kernels.paged_attention import paged_decode_attention  # noqa: E402
+
+DTYPES = [torch.float32, torch.bfloat16]
+NUM_SLOTS = 7
+DUMMY_SLOT = NUM_SLOTS - 1  # no request's slot: padded rows of a graph batch write here
+
+
+def text_config(arch: str, preset: str) -> dict:
+    config = preset_config(arch, preset)
+    return config.get("text_config", config)
+
+
+def gdn_shapes(preset: str) -> dict:
+    t = text_config("qwen3_5", preset)
+    hk, hv, dk, dv = (t[f"linear_{n}"] for n in ("num_key_heads", "num_value_heads", "key_head_dim", "value_head_dim"))
+    return dict(hk=hk, hv=hv, dk=dk, dv=dv, kernel=t["linear_conv_kernel_dim"], conv_dim=2 * hk * dk + hv * dv)
+
+
+def rule_tolerance(dtype: torch.dtype) -> dict:
+    # The recurrence is float32 throughout on the same inputs; its one rounding to bfloat16 (beta, as the layer
+    # takes the sigmoid in b's dtype) is exact on a GPU. Triton's interpreter truncates float32 -> bfloat16 instead
+    # of rounding to nearest, so under it beta may be one ulp off.
+    return dict(atol=5e-3, rtol=2e-2) if INTERPRET and dtype == torch.bfloat16 else dict(atol=1e-5, rtol=1e-4)
+
+
+def conv_tolerance(dtype: torch.dtype) -> dict:
+    # The conv is rounded to the model dtype before silu and after: sums in another order may land one bfloat16 ulp
+    # apart at either rounding.
+    return dict(atol=1e-5, rtol=1e-4) if dtype == torch.float32 else dict(atol=1e-2, rtol=2e-2)
+
+
+def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return ((actual.float() - expected.float()).norm() / expected.float().norm()).item()
+
+
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator(DEVICE).manual_seed(seed)
+
+
+def randn(*shape, dtype=torch.float32, seed: int, scale: float = 1.0) -> torch.Tensor:
+    return (torch.randn(*shape, generator=gen(seed), device=DEVICE) * scale).to(dtype)
+
+
+# ------------------------------------------------------------------------------------------------ naive references
+
+
+def naive_conv_update(x, weight, conv_state, slots):
+    """Returns (y, new conv_state) for rows one by one, the window in float32 and the conv rounded to x's dtype."""
+    y, state = torch.empty_like(x), conv_state.clone()
+    taps = weight[:, 0].float()
+    for row, slot in enumerate(slots.tolist()):
+        window = torch.cat([conv_state[slot].float(), x[row].float()[:, None]], dim=1)  # [D, K]
+        conv = (window * taps).sum(dim=1).to(x.dtype)
+        y[row] = F.silu(conv.float()).to(x.dtype)
+        state[slot] = window[:, 1:].to(state.dtype)
+    return y, state
+
+
+def naive_gated_delta_rule_update(q, k, v, a, b, A_log, dt_bias, state, slots):
+    """Returns (o float32, new state), row by row, all value heads of a row at once."""
+    _, hk, dk = k.shape
+    _, hv, dv = v.shape
+    key_head = torch.arange(hv, device=v.device) // (hv // hk)  # value head h reads key head h // (Hv / Hk)
+    o, new_state = torch.empty(v.shape, dtype=torch.float32, device=v.device), state.clone()
+
+    def l2norm(x):
+        x = x.float()
+        return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6)
+
+    for row, slot in enumerate(slots.tolist()):
+        q_h, k_h = l2norm(q[row, key_head]) * dk**-0.5, l2norm(k[row, key_head])  # [Hv, dk]
+        beta = torch.sigmoid(b[row]).float()  # in b's dtype, as the layer
+        g = -A_log.float().exp() * F.softplus(a[row].float() + dt_bias.float())
+        s = state[slot] * g.exp()[:, None, None]  # [Hv, dk, dv]
+        delta = beta[:, None] * (v[row].float() - torch.einsum("hkv,hk->hv", s, k_h))
+        s = s + k_h[:, :, None] * delta[:, None, :]
+        o[row] = torch.einsum("hkv,hk->hv", s, q_h)
+        new_state[slot] = s
+    return o, new_state
+
+
+def naive_paged_attention(q, k_buf, v_buf, req_to_token, slots, seq_lens, scale):
+    """Gather each row's keys by location and run a float32 softmax per query head."""
+    batch, num_heads, _ = q.shape
+    group = num_heads // k_buf.shape[1]
+    o = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    for row in range(batch):
+        locations = req_to_token[slots[row], : seq_lens[row]]
+        keys, values = k_buf[locations].float(), v_buf[locations].float()
+        for h in range(num_heads):
+            p = torch.softmax(keys[:, h // group] @ q[row, h].float() * scale, dim=0)
+            o[row, h] = p @ values[:, h // group]
+    return o
+
+
+def naive_gated_delta_rule_prefill(q, k, v, a, b, A_log, dt_bias, initial, cu_seqlens):
+    """The decode reference run token by token over each sequence of a varlen batch: (o float32, final states)."""
+    o, final = torch.empty(v.shape, dtype=torch.float32, device=v.device), initial.clone()
+    bounds = cu_seqlens.tolist()
+    for seq, (start, end) in enumerate(zip(bounds, bounds[1:])):
+        for t in range(start, end):
+            one = slice(t, t + 1)
+            o[one], final[seq : seq + 1] = naive_gated_delta_rule_update(
+                q[one], k[one], v[one], a[one], b[one], A_log, dt_bias, final[seq : seq + 1], torch.tensor([0])
+            )
+    return o, final
+
+
+def naive_conv_prefill(x, weight, initial, cu_seqlens):
+    """Per sequence: window = its stored inputs then its tokens; y_t = silu(sum_j w_j window[t + j])."""
+    kernel = weight.shape[-1]
+    y, final = torch.empty_like(x), initial.clone()
+    bounds = cu_seqlens.tolist()
+    for seq, (start, end) in enumerate(zip(bounds, bounds[1:])):
+        window = torch.cat([initial[seq].float(), x[start:end].T.float()], dim=1)  # [D, K-1 + L]
+        length = end - start
+        conv = sum(weight[:, 0, j, None].float() * window[:, j : j + length] for j in range(kernel))
+        y[start:end] = F.silu(conv.to(x.dtype).float()).T.to(x.dtype)
+        final[seq] = window[:, -(kernel - 1) :].to(final.dtype)
+    return y, final
+
+
+# -------------------------------------------------------------------------------------------- GDN decode kernels
+
+
+def gdn_decode_inputs(shapes: dict, dtype: torch.dtype, batch: int, seed: int) -> dict:
+    hk, hv, dk, dv = shapes["hk"], shapes["hv"], shapes["dk"], shapes["dv"]
+    return dict(
+        q=randn(batch, hk, dk, dtype=dtype, seed=seed),
+        k=randn(batch, hk, dk, dtype=dtype, seed=seed + 1),
+        v=randn(batch, hv, dv, dtype=dtype, seed=seed + 2),
+        a=randn(batch, hv, dtype=dtype, seed=seed + 3),
+        b=randn(batch, hv, dtype=dtype, seed=seed + 4),
+    )
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("preset", ["0.8b", "tiny"])
+def test_gdn_decode_kernels_match_naive_over_two_steps(preset, dtype):
+    shapes = gdn_shapes(preset)
+    hv, dk, dv, kernel, dim = shapes["hv"], shapes["dk"], shapes["dv"], shapes["kernel"], shapes["conv_dim"]
+    slots = torch.tensor([4, 1, 3, DUMMY_SLOT, DUMMY_SLOT], device=DEVICE)  # two padded rows, one dummy slot
+    real = slice(0, 3)
+    weight = randn(dim, 1, kernel, dtype=dtype, seed=10, scale=kernel**-0.5)
+    A_log = torch.empty(hv, device=DEVICE).uniform_(0.05, 0.8, generator=gen(11)).log().to(dtype)
+    dt_bias = torch.empty(hv, device=DEVICE).uniform_(-1.5, 0.5, generator=gen(12)).to(dtype)
+    conv_state = randn(NUM_SLOTS, dim, kernel - 1, dtype=dtype, seed=13)
+    state = randn(NUM_SLOTS, hv, dk, dv, seed=14, scale=0.1)
+    conv_expected, state_expected = conv_state.clone(), state.clone()
+
+    for step in range(2):
+        x = randn(len(slots), dim, dtype=dtype, seed=20 + step)
+        y = conv_update_by_slot_(x, weight, conv_state, slots)
+        y_expected, conv_expected = naive_conv_update(x, weight, conv_expected, slots)
+        torch.testing.assert_close(y[real], y_expected[real], **conv_tolerance(dtype))
+        # The state update is a shift of stored values and x: exact.
+        assert torch.equal(conv_state[:DUMMY_SLOT], conv_expected[:DUMMY_SLOT])
+
+        inputs = gdn_decode_inputs(shapes, dtype, len(slots), seed=30 + 10 * step)
+        o = gated_delta_rule_update_by_slot_(**inputs, A_log=A_log, dt_bias=dt_bias, state=state, slots=slots)
+        o_expected, state_expected = naive_gated_delta_rule_update(
+            **inputs, A_log=A_log, dt_bias=dt_bias, state=state_expected, slots=slots
+        )
+        assert o.dtype == torch.float32 and o.shape == (len(slots), hv, dv)
+        torch.testing.assert_close(o[real], o_expected[real], **rule_tolerance(dtype))
+        torch.testing.assert_close(state[:DUMMY_SLOT], state_expected[:DUMMY_SLOT], **rule_tolerance(dtype))
+    # Slots 0, 2 and 5 were in no batch: untouched, bit for bit (the naive copies never changed them).
+    for untouched in (0, 2, 5):
+        assert torch.equal(conv_state[untouched], conv_expected[untouched])
+        assert torch.equal(state[untouched], state_expected[untouched])
+
+
+def test_gdn_decode_reads_strided_views_of_the_conv_output():
+    """q, k, v as the layer gets them: splits of one [B, conv_dim] row, not contiguous per tensor."""
+    shapes = gdn_shapes("tiny")
+    hk, hv, dk, dv = shapes["hk"], shapes["hv"], shapes["dk"], shapes["dv"]
+    mixed = randn(3, shapes["conv_dim"], seed=40)
+    q, k, v = mixed.split([hk * dk, hk * dk, hv * dv], dim=-1)
+    q, k, v = q.unflatten(-1, (hk, dk)), k.unflatten(-1, (hk, dk)), v.unflatten(-1, (hv, dv))
+    ab = randn(3, 2 * hv, seed=41)
+    a, b = ab[:, :hv], ab[:, hv:]
+    A_log, dt_bias = randn(hv, seed=42, scale=0.3), randn(hv, seed=43)
+    state, slots = randn(NUM_SLOTS, hv, dk, dv, seed=44, scale=0.1), torch.tensor([2, 0, 5], device=DEVICE)
+    o_expected, state_expected = naive_gated_delta_rule_update(q, k, v, a, b, A_log, dt_bias, state, slots)
+    o = gated_delta_rule_update_by_slot_(q, k, v, a, b, A_log, dt_bias, state, slots)
+    torch.testing.assert_close(o, o_expected, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(state, state_expected, atol=1e-5, rtol=1e-4)
+
+
+def test_gdn_decode_kernels_reject_mismatched_shapes():
+    shapes = gdn_shapes("tiny")
+    x = randn(2, shapes["conv_dim"], seed=50)
+    with pytest.raises(ValueError, match="conv_state"):
+        conv_update_by_slot_(x, randn(shapes["conv_dim"], 1, 4, seed=51), randn(3, 8, 3, seed=52), torch.zeros(2))
+    inputs = gdn_decode_inputs(shapes, torch.float32, 2, seed=53)
+    state = randn(3, shapes["hv"], shapes["dk"], shapes["dv"], dtype=torch.bfloat16, seed=54)
+    params = randn(shapes["hv"], seed=55)
+    with pytest.raises(ValueError, match="float32"):
+        gated_delta_rule_update_by_slot_(**inputs, A_log=params, dt_bias=params, state=state, slots=torch.zeros(2))
+
+
+# ---------------------------------------------------------------------------------------- paged decode attention
+
+
+def paged_table(seq_lens: list[int], page_size: int, num_rows: int, max_context: int, seed: int):
+    """req_to_token rows for the requests (row i for request i) with pages scattered over the pool at random, and
+    the pool size. Rows past the requests hold location 0 (what a padded row reads)."""
+    pages_per_row = [-(-n // page_size) for n in seq_lens]
+    num_pages = sum(pages_per_row) + 3  # some pages no request owns
+    order = torch.randperm(num_pages, generator=torch.Generator().manual_seed(seed))
+    table = torch.zeros(num_rows, max_context, dtype=torch.int64)
+    used = 0
+    for row, (n, pages) in enumerate(zip(seq_lens, pages_per_row)):
+        page_ids = order[used : used + pages]
+        used += pages
+        locations = (page_ids[:, None] * page_size + torch.arange(page_size)).flatten()
+        table[row, :n] = locations[:n]
+    return table.to(DEVICE), num_pages * page_size
+
+
+ATTENTION_SHAPES = {  # (arch, preset): Qwen3.5's gated attention (head_dim 256), Qwen3 (128), the tiny one (32)
+    "qwen3_5-0.8b": ("qwen3_5", "0.8b"),
+    "qwen3-0.6b": ("qwen3", "0.6b"),
+    "qwen3_5-tiny": ("qwen3_5", "tiny"),
+}
+
+
+@pytest.mark.parametrize("num_splits", [None, 3], ids=["default-splits", "3-splits"])
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", list(ATTENTION_SHAPES))
+def test_paged_decode_attention_matches_naive(shape, dtype, page_size, num_splits):
+    t = text_config(*ATTENTION_SHAPES[shape])
+    num_heads, num_kv_heads, head_dim = t["num_attention_heads"], t["num_key_value_heads"], t["head_dim"]
+    # 1 token; within one block; across blocks and (with 3 splits) across splits; long enough for many splits.
+    seq_lens = [1, 20, 333, 77, 1100] if not INTERPRET else [1, 20, 140]
+    max_context = 2048 if not INTERPRET else 256
+    table, num_locations = paged_table(seq_lens, page_size, num_rows=8, max_context=max_context, seed=60)
+    k_buf = randn(num_locations, num_kv_heads, head_dim, dtype=dtype, seed=61)
+    v_buf = randn(num_locations, num_kv_heads, head_dim, dtype=dtype, seed=62)
+    # Rows in another order than the table's, then a padded row: table row 7 (never written: location 0), length 1.
+    order = [2, 0, 1, *range(3, len(seq_lens))]
+    slots = torch.tensor([*order, 7], device=DEVICE)
+    lens = torch.tensor([*(seq_lens[i] for i in order), 1], device=DEVICE)
+    q = randn(len(slots), num_heads, head_dim, dtype=dtype, seed=63)
+    scale = head_dim**-0.5 * 4  # sharper than uniform, as q/k-normed models are
+
+    o = paged_decode_attention(q, k_buf, v_buf, table, slots, lens, scale, num_splits=num_splits)
+    expected = naive_paged_attention(q, k_buf, v_buf, table, slots, lens, scale)
+    assert o.dtype == dtype and o.shape == q.shape
+    tolerance = dict(atol=1e-5, rtol=1e-4) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(o.float(), expected, **tolerance)
+
+
+# ------------------------------------------------------------------------------------------------ CUDA graph
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need CUDA")
+def test_decode_kernels_capture_in_a_cuda_graph_and_replay_with_new_slots_and_lengths():
+    """Static buffers hold the inputs; the graph replays with other slots and lengths copied into them."""
+    dtype = torch.bfloat16
+    shapes = gdn_shapes("0.8b")
+    hv, dk, dv, kernel, dim = shapes["hv"], shapes["dk"], shapes["dv"], shapes["kernel"], shapes["conv_dim"]
+    batch = 4
+    weight = randn(dim, 1, kernel, dtype=dtype, seed=70, scale=0.5)
+    A_log, dt_bias = randn(hv, dtype=dtype, seed=71, scale=0.3), randn(hv, dtype=dtype, seed=72)
+    conv_state = randn(NUM_SLOTS, dim, kernel - 1, dtype=dtype, seed=73)
+    state = randn(NUM_SLOTS, hv, dk, dv, seed=74, scale=0.1)
+    t = text_config("qwen3_5", "0.8b")
+    num_heads, num_kv_heads, head_dim = t["num_attention_heads"], t["num_key_value_heads"], t["head_dim"]
+    table, num_locations = paged_table([5, 900, 64, 300], 16, num_rows=NUM_SLOTS, max_context=1024, seed=75)
+    k_buf = randn(num_locations, num_kv_heads, head_dim, dtype=dtype, seed=76)
+    v_buf = randn(num_locations, num_kv_heads, head_dim, dtype=dtype, seed=77)
+
+    static = dict(
+        x=torch.zeros(batch, dim, dtype=dtype, device=DEVICE),
+        **gdn_decode_inputs(shapes, dtype, batch, seed=78),
+        q_attn=torch.zeros(batch, num_heads, head_dim, dtype=dtype, device=DEVICE),
+        slots=torch.full((batch,), DUMMY_SLOT, device=DEVICE),
+        seq_lens=torch.ones(batch, dtype=torch.int64, device=DEVICE),
+    )
+
+    def step():
+        y = conv_update_by_slot_(static["x"], weight, conv_state, static["slots"])
+        o = gated_delta_rule_update_by_slot_(
+            static["q"], static["k"], static["v"], static["a"], static["b"], A_log, dt_bias, state, static["slots"]
+        )
+        attn = paged_decode_attention(
+            static["q_attn"], k_buf, v_buf, table, static["slots"], static["seq_lens"], head_dim**-0.5
+        )
+        return y, o, attn
+
+    saved = conv_state.clone(), state.clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()  # compile and warm up outside the capture, on the dummy slot only
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = step()
+    conv_state.copy_(saved[0])
+    state.copy_(saved[1])
+
+    replays = [([0, 1, 2, 3], [5, 900, 64, 300]), ([3, 1, DUMMY_SLOT, DUMMY_SLOT], [300, 900, 1, 1])]
+    for replay, (slot_list, len_list) in enumerate(replays):
+        new = dict(
+            x=randn(batch, dim, dtype=dtype, seed=80 + replay),
+            **gdn_decode_inputs(shapes, dtype, batch, seed=90 + 10 * replay),
+            q_attn=randn(batch, num_heads, head_dim, dtype=dtype, seed=85 + replay),
+            slots=torch.tensor(slot_list, device=DEVICE),
+            seq_lens=torch.tensor(len_list, device=DEVICE),
+        )
+        for name, value in new.items():
+            static[name].copy_(value)
+        real = [row for row, slot in enumerate(slot_list) if slot != DUMMY_SLOT]
+        y_expected, conv_expected = naive_conv_update(new["x"], weight, conv_state, new["slots"])
+        o_expected, state_expected = naive_gated_delta_rule_update(
+            new["q"], new["k"], new["v"], new["a"], new["b"], A_log, dt_bias, state, new["slots"]
+        )
+        attn_expected = naive_paged_attention(
+            new["q_attn"], k_buf, v_buf, table, new["slots"], new["seq_lens"], head_dim**-0.5
+        )
+        graph.replay()
+        y, o, attn = outputs
+        torch.testing.assert_close(y[real], y_expected[real], **conv_tolerance(dtype))
+        torch.testing.assert_close(o[real], o_expected[real], **rule_tolerance(dtype))
+        torch.testing.assert_close(attn[real].float(), attn_expected[real], atol=1e-2, rtol=1e-2)
+        assert torch.equal(conv_state[:DUMMY_SLOT], conv_expected[:DUMMY_SLOT])
+        torch.testing.assert_close(state[:DUMMY_SLOT], state_expected[:DUMMY_SLOT], **rule_tolerance(dtype))
+
+
+# --------------------------------------------------------------------------------------------------- fla prefill
+
+needs_fla = pytest.mark.skipif(
+    DEVICE != "cuda" or not fla_available(), reason="flash-linear-attention is not importable (or no CUDA)"
+)
+
+
+@needs_fla
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("preset", ["0.8b", "tiny"])
+def test_fla_prefill_matches_the_token_by_token_recurrence(preset, dtype):
+    shapes = gdn_shapes(preset)
+    hk, hv, dk, dv, kernel, dim = (shapes[n] for n in ("hk", "hv", "dk", "dv", "kernel", "conv_dim"))
+    seq_lens = [1, 2, 63, 64, 150]  # shorter than the conv's K-1, one chunk exactly, several chunks with a tail
+    cu_seqlens = torch.tensor([0, *seq_lens], device=DEVICE).cumsum(0)
+    total = sum(seq_lens)
+    slots = torch.tensor([3, 0, 5, 1, 2], device=DEVICE)
+    fresh = torch.tensor([False, False, True, False, False], device=DEVICE)  # its row holds a stale request's states
+
+    conv_state = randn(NUM_SLOTS, dim, kernel - 1, dtype=dtype, seed=100)
+    state = randn(NUM_SLOTS, hv, dk, dv, seed=101, scale=0.3)
+    conv_initial = conv_state[slots].masked_fill(fresh[:, None, None], 0)
+    initial = state[slots].masked_fill(fresh[:, None, None, None], 0)
+    saved_conv, saved_state = conv_state.clone(), state.clone()
+
+    x = randn(total, dim, dtype=dtype, seed=102)
+    weight = randn(dim, 1, kernel, dtype=dtype, seed=103, scale=kernel**-0.5)
+    y = causal_conv1d_prefill_by_slot_(x, weight, conv_state, slots, cu_seqlens, fresh=fresh)
+    y_expected, conv_final = naive_conv_prefill(x, weight, conv_initial, cu_seqlens)
+    torch.testing.assert_close(y, y_expected, **conv_tolerance(dtype))
+    torch.testing.assert_close(conv_state[slots], conv_final)
+
+    q = randn(total, hk, dk, dtype=dtype, seed=104)
+    k = randn(total, hk, dk, dtype=dtype, seed=105)
+    v = randn(total, hv, dv, dtype=dtype, seed=106)
+    a, b = randn(total, hv, dtype=dtype, seed=107), randn(total, hv, dtype=dtype, seed=108)
+    A_log = torch.empty(hv, device=DEVICE).uniform_(0.05, 0.8, generator=gen(109)).log().to(dtype)
+    dt_bias = torch.empty(hv, device=DEVICE).uniform_(-1.5, 0.5, generator=gen(110)).to(dtype)
+    o = chunk_gated_delta_rule_by_slot_(q, k, v, a, b, A_log, dt_bias, state, slots, cu_seqlens, fresh=fresh)
+    o_expected, final = naive_gated_delta_rule_prefill(q, k, v, a, b, A_log, dt_bias, initial, cu_seqlens)
+    assert o.shape == (total, hv, dv)
+    # fla runs the rule in its inputs' dtype (float32 products may use tf32): agreement to that dtype's precision.
+    limit = 1e-2 if dtype == torch.float32 else 3e-2
+    assert rel_err(o, o_expected) < limit
+    assert rel_err(state[slots], final) < limit
+    for untouched in (4, DUMMY_SLOT):
+        assert torch.equal(conv_state[untouched], saved_conv[untouched])
+        assert torch.equal(state[untouched], saved_state[untouched])
