@@ -5,10 +5,19 @@ there, and that the benchmark's switch to the recurrence still prefills correctl
 """
 
 import json
+import os
+import subprocess
+import sys
 
+import pytest
+import torch
+
+import a4.__main__ as cli
 import a4.layers.deltanet as deltanet
 from a4 import LLM, SamplingParams
-from a4.bench import decode_context, engine, prefill
+from a4._overlay import REPO_ROOT
+from a4.bench import decode_context, engine, gpu, prefill
+from a4.checkpoints import make_checkpoint
 from a4.reference import hf_greedy
 
 
@@ -60,6 +69,10 @@ def test_engine_writes_both_dtypes(tmp_path):
     for result in report["results"].values():
         for system in engine.SYSTEMS:
             assert set(result["tokens_per_s"][system]) == set(engine.WORKLOADS)
+        assert result["floor"]["gemm_flop_per_s"] > 0 and result["floor"]["copy_bytes_per_s"] > 0
+        for system in engine.SYSTEMS:
+            assert set(result["fraction_of_floor"][system]) == set(engine.WORKLOADS)
+            assert all(f > 0 for f in result["fraction_of_floor"][system].values())
         memory = result["memory"]
         # The pools the engine allocated are real tensors: the process's peak memory holds at least them.
         assert memory["peak_rss_above_baseline"] >= memory["pools_allocated"] > 0
@@ -70,3 +83,147 @@ def test_engine_prompts_avoid_stop_tokens():
     prompts = engine.random_prompts((50, 7), vocab_size=20, stop_tokens=(3, 4), seed=0)
     assert [len(p) for p in prompts] == [50, 7]
     assert all(0 <= token < 20 and token not in (3, 4) for p in prompts for token in p)
+
+
+def test_engine_fraction_of_floor_arithmetic():
+    workload = engine.Workload(100, 10, (10, 30), new_tokens=4, repeats=1, copy_bytes=1)
+    floor = {
+        "gemm_flop_per_s": 1e9, "copy_bytes_per_s": 1e9, "weight_bytes": 10**6, "non_embedding_params": 10**5,
+        "state_bytes_per_request": 1000, "kv_bytes_per_token": 10,
+    }  # fmt: skip
+    # By hand: prefill 2 * 1e5 * 100 FLOP = 20 ms at the GEMM rate, measured 40 ms. Decode batch 1 reads 1e6 + 1000
+    # + 10 * (10 + 4 / 2) bytes = 1.00112 ms at the bandwidth, measured 4x that; batch 2 (prompts of 10 and 30, mean
+    # context 20 + 2) reads 1e6 + 2 * (1000 + 220) bytes = 1.00244 ms, measured 2x that.
+    tokens_per_s = {"prefill": 100 / 0.040, "decode batch 1": 1 / 4.00448e-3, "decode batch 8": 2 / 2.00488e-3}
+    fractions = engine.fraction_of_floor(tokens_per_s, floor, workload)
+    assert fractions == pytest.approx({"prefill": 0.5, "decode batch 1": 0.25, "decode batch 8": 0.5})
+
+
+GPU_WORKLOAD = gpu.Workload(
+    "0.8b", (512, 2048), (1, 8), prompt_len=100, decode_steps=20, prefill_repeats=1, contexts=(1024, 4096),
+    repeats=1, copy_bytes=1, gemm_size=1,
+)  # fmt: skip
+
+
+def synthetic_gpu_parts() -> dict:
+    """Round figures: a4 at twice each floor, transformers at four times."""
+    floor = {
+        "device": "NVIDIA H200", "hbm_bytes_per_s": 1e12, "bf16_flop_per_s": 1e14, "weight_bytes": 10**9,
+        "non_embedding_params": 5 * 10**8, "state_bytes_per_request": 10**6, "kv_bytes_per_token": 1000,
+    }  # fmt: skip
+    # By hand: decode reads 1e9 + batch * (1e6 + 1000 * (100 + 20 / 2)) bytes at 1e12 B/s: 1.00111 ms at batch 1,
+    # 1.00888 ms at batch 8; prefill 2 * 5e8 * tokens FLOP at 1e14 FLOP/s: 5.12 ms for 512 tokens, 20.48 ms for 2048.
+    a4 = {"prefill_ms": {"512": 10.24, "2048": 40.96}, "decode_ms": {"1": 2.00222, "8": 2.01776}}
+    return {
+        "floor": floor,
+        "a4": {**a4, "launch_profile": {"kernels": 100, "kernel_ms": 1.0, "wall_ms": 2.00222}},
+        "transformers": {kind: {key: 2 * ms for key, ms in times.items()} for kind, times in a4.items()},
+        "context": {"gdn_layer_ms": [0.1, 0.1], "attention_layer_ms": [0.1, 0.3], "step_ms": [2.0, 2.2]},
+    }
+
+
+def test_gpu_report_floors_ratios_and_schema(tmp_path, capsys):
+    report = gpu.assemble(synthetic_gpu_parts(), GPU_WORKLOAD, gpu.meta("NVIDIA H200", GPU_WORKLOAD, False))
+    # The schema notebook 10 reads (contracts of issue 12): exactly these keys.
+    assert set(report) == {"meta", "floor", "systems", "decode_vs_context", "launch_profile"}
+    assert set(report["meta"]) == {
+        "device", "torch", "triton", "transformers", "fla", "dtype", "shapes", "date", "commit"
+    }  # fmt: skip
+    assert report["meta"]["dtype"] == "bfloat16" and report["meta"]["shapes"] == "0.8b"
+    floor = report["floor"]
+    assert set(floor) == {"hbm_bytes_per_s", "bf16_flop_per_s", "weight_bytes", "decode_floor_ms", "prefill_floor_ms"}
+    assert floor["decode_floor_ms"] == pytest.approx({"1": 1.00111, "8": 1.00888})
+    assert floor["prefill_floor_ms"] == pytest.approx({"512": 5.12, "2048": 20.48})
+    assert set(report["systems"]) == {"a4", "transformers"}
+    assert all(set(times) == {"prefill_ms", "decode_ms"} for times in report["systems"].values())
+    assert report["decode_vs_context"] == {
+        "context": [1024, 4096], "batch": 1, "gdn_layer_ms": [0.1, 0.1], "attention_layer_ms": [0.1, 0.3],
+        "step_ms": [2.0, 2.2],
+    }  # fmt: skip
+    assert report["launch_profile"] == [
+        {"system": "a4", "batch": 1, "kernels": 100, "kernel_ms": 1.0, "wall_ms": 2.00222}
+    ]
+    json.dumps(report)  # all of it JSON
+
+    labels = ["prefill 512 tokens", "prefill 2048 tokens", "decode batch 1", "decode batch 8"]
+    assert gpu.speedups(report) == {"transformers": pytest.approx(dict.fromkeys(labels, 2.0))}
+    fractions = gpu.floor_fractions(report)
+    assert fractions["a4"] == pytest.approx(dict.fromkeys(labels, 0.5))
+    assert fractions["transformers"] == pytest.approx(dict.fromkeys(labels, 0.25))
+
+    gpu.print_table(report)
+    printed = capsys.readouterr().out
+    assert "50.0%" in printed and "25.0%" in printed and "2.00" in printed and "100 GPU kernels" in printed
+    gpu.plot(report, tmp_path / "gpu.png")
+    assert (tmp_path / "gpu.png").stat().st_size > 0
+
+
+def test_gpu_parts_run_on_the_cpu():
+    """Every part of `bench gpu` but the processes and CUDA: the tiny model on the CPU, then the report."""
+    workload = gpu.Workload.quick()
+    model_dir = make_checkpoint(None, "qwen3_5", preset=workload.preset)
+    cpu = torch.device("cpu")
+    # flash-linear-attention is never installed on a CPU (its absence is checked elsewhere).
+    parts = {part: gpu.run_part(part, model_dir, workload, cpu) for part in gpu.PARTS if part != "transformers_fla"}
+    report = gpu.assemble(parts, workload, gpu.meta("cpu", workload, False))
+    assert set(report["systems"]) == {"a4", "a4_no_graphs", "transformers"}
+    for times in report["systems"].values():
+        assert set(times["prefill_ms"]) == {str(n) for n in workload.prefill_lens}
+        assert set(times["decode_ms"]) == {str(b) for b in workload.batches}
+        assert min(times["prefill_ms"].values()) > 0 and min(times["decode_ms"].values()) > 0
+    context = report["decode_vs_context"]
+    assert all(len(context[key]) == len(workload.contexts) for key in ("gdn_layer_ms", "attention_layer_ms", "step_ms"))
+    assert report["launch_profile"] == []  # profiled on CUDA only
+    floor = report["floor"]
+    assert floor["hbm_bytes_per_s"] > 0 and floor["bf16_flop_per_s"] > 0
+    # The tiny model's bytes, independently: every parameter once, in bfloat16 (2 bytes).
+    assert floor["weight_bytes"] == 2 * hf_text_model_parameters(model_dir)
+
+
+def hf_text_model_parameters(model_dir) -> int:
+    """The parameters of transformers' text model of the checkpoint (a tied embedding counted once)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_dir).get_text_config()
+    return sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+
+
+def test_gpu_part_option_belongs_to_bench_gpu(capsys):
+    assert cli.main(["bench", "engine", "--system", "a4"]) == cli.USAGE_ERROR
+    assert "--system" in capsys.readouterr().err
+
+
+def test_bench_gpu_without_cuda_says_so(monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert cli.main(["bench", "gpu"]) == 1  # asked for by name: a failure
+    assert "needs an NVIDIA GPU with CUDA" in capsys.readouterr().err
+    # Among all the benchmarks (`make bench` on a CPU), it is skipped and the others' status stands.
+    monkeypatch.setattr(cli, "benchmark_names", lambda: ["gpu"])
+    assert cli.main(["bench"]) == 0
+    assert "bench gpu cannot run on this machine" in capsys.readouterr().out
+
+
+def test_transformers_process_cannot_import_kernel_packages(tmp_path):
+    # A stand-in flash-linear-attention on the path: importable, until blocked.
+    (tmp_path / "fla").mkdir()
+    (tmp_path / "fla" / "__init__.py").write_text("")
+    script = """
+import importlib.util
+from a4.bench import gpu
+
+assert importlib.util.find_spec("fla") is not None and not gpu.kernel_package_imported("fla")
+gpu.block_kernel_packages()
+assert importlib.util.find_spec("fla") is None and importlib.util.find_spec("causal_conv1d") is None
+try:
+    import fla
+except ImportError:
+    pass
+else:
+    raise SystemExit("fla was imported")
+assert not gpu.kernel_package_imported("fla")
+"""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO_ROOT)])}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    imported = "import fla\nfrom a4.bench import gpu\nassert gpu.kernel_package_imported('fla')"
+    assert subprocess.run([sys.executable, "-c", imported], env=env).returncode == 0

@@ -1,4 +1,4 @@
-"""Timing for the benchmarks: the median wall time of several runs after a warm-up, the runs taking turns.
+"""Timing for the benchmarks: the median time of several runs after a warm-up, the runs taking turns.
 
 Underscored so that the `bench` dispatcher, which runs every other module of this package, does not take it for a
 benchmark.
@@ -9,6 +9,8 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
+
+import torch
 
 
 def median_seconds(runs: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
@@ -27,3 +29,26 @@ def median_seconds(runs: dict[str, Callable[[], object]], repeats: int) -> dict[
             run()
             times[name].append(time.perf_counter() - start)
     return {name: statistics.median(t) for name, t in times.items()}
+
+
+def device_seconds(run: Callable[[], object], device: torch.device, repeats: int, inner: int = 1) -> float:
+    """Median seconds of one call of `run`, whose work is on `device`, over `repeats` timings of `inner` calls each.
+
+    On CUDA the calls are launched back to back between two events and waited for once: the GPU's time, without a
+    host round trip per call (with inner > 1, the launch of the first call too is hidden behind the GPU's work). On
+    the CPU, wall time. One untimed call first, as in `median_seconds`.
+    """
+    if device.type != "cuda":
+        return median_seconds({"run": lambda: [run() for _ in range(inner)]}, repeats)["run"] / inner
+    run()
+    torch.cuda.synchronize(device)
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(inner):
+            run()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3 / inner)  # elapsed_time is in milliseconds
+    return statistics.median(times)

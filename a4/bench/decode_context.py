@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import statistics
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -72,20 +73,18 @@ def decode_batch(context: int, kv_pool: KVPool, state_pool: object | None = None
     )
 
 
-@torch.inference_mode()
-def layer_step_seconds(
+def layer_runs(
     config: ModelConfig,
     gdn: torch.nn.Module,
     attention: torch.nn.Module,
     rotary_emb,
     contexts: tuple[int, ...],
-    repeats: int,
-) -> dict[str, list[float]]:
-    """Decode-step time of a GDN layer and a full-attention layer at each context (seconds, median of `repeats`).
+) -> Iterator[tuple[int, dict[str, Callable[[], object]]]]:
+    """For each context, one decode step of a GDN layer and of a full-attention layer, as zero-argument calls.
 
     gdn: a `GatedDeltaNet`; attention: a `GatedAttention` whose pool layer is 0; rotary_emb: the model's
-    `RotaryEmbedding`. Both layers run in the dtype and on the device of their parameters, one after the other at
-    each context.
+    `RotaryEmbedding`. Both layers run in the dtype and on the device of their parameters; the calls must run in
+    inference mode. Their inputs are built before they are yielded, so that a call is the layer's work alone.
     """
     weight = attention.q_proj.weight
     dtype, device = weight.dtype, weight.device
@@ -100,14 +99,30 @@ def layer_step_seconds(
         generator=gen, device=device,
     ).mul_(0.1)  # fmt: skip
     kv_pool = random_kv_pool(config, 1, max(contexts) + 1, dtype, device)
-    times: dict[str, list[float]] = {name: [] for name in LAYERS}
     for context in contexts:
         fb = decode_batch(context, kv_pool)
         cos, sin = rotary_emb(fb.positions, dtype)
-        runs = {
+        yield context, {
             "GDN layer": lambda: gdn(hidden, fb, conv_state, recurrent_state),
             "attention layer": lambda: attention(hidden, cos, sin, fb),
         }
+
+
+@torch.inference_mode()
+def layer_step_seconds(
+    config: ModelConfig,
+    gdn: torch.nn.Module,
+    attention: torch.nn.Module,
+    rotary_emb,
+    contexts: tuple[int, ...],
+    repeats: int,
+) -> dict[str, list[float]]:
+    """Decode-step time of a GDN layer and a full-attention layer at each context (seconds, median of `repeats`).
+
+    The arguments are `layer_runs`'; the two layers are timed one after the other at each context.
+    """
+    times: dict[str, list[float]] = {name: [] for name in LAYERS}
+    for _, runs in layer_runs(config, gdn, attention, rotary_emb, contexts):
         # Each layer's runs back to back rather than taking turns: the attention layer's gathers of 64+ MB (at 32k
         # tokens) would otherwise evict the GDN layer's weights from the caches before each of its runs, and its
         # figure (flat when timed alone) would carry the attention layer's context.

@@ -14,6 +14,11 @@ peak resident memory (the RSS high-water mark) above what the process held befor
 weights and the pools the memory plan allocated. It is read after a4 has run every workload once and before
 transformers is loaded; each dtype runs in a fresh process, so that each peak is its own.
 
+The floor, measured in the same process after the timings (`a4.bench._floor`): this machine's GEMM rate at the
+shapes of the model's MLP (the prefill's tokens times its first projection) and its memory bandwidth (a large copy).
+Each workload is reported as a fraction of its floor: prefill against the time of its weight GEMMs at that rate,
+decode against the time of reading its bytes (weights, GDN states, KV) at that bandwidth.
+
     python -m a4 bench engine [--quick] [--out DIR]
 """
 
@@ -32,6 +37,7 @@ from pathlib import Path
 
 import torch
 
+from a4.bench._floor import ModelBytes, copy_bytes_per_second, gemm_flop_per_second
 from a4.checkpoints import make_checkpoint
 from a4.dtypes import DTYPES
 
@@ -46,14 +52,15 @@ class Workload:
     batch_lens: tuple[int, ...]  # the prompts of the batched decode workload
     new_tokens: int  # generated per request in both decode workloads
     repeats: int  # prefill runs per system after the warm-up
+    copy_bytes: int  # of the copy that measures the memory bandwidth: well beyond the CPU's caches
 
     @staticmethod
     def full() -> Workload:
-        return Workload(512, 128, tuple(range(16, 129, 16)), new_tokens=64, repeats=3)
+        return Workload(512, 128, tuple(range(16, 129, 16)), new_tokens=64, repeats=3, copy_bytes=512 << 20)
 
     @staticmethod
     def quick() -> Workload:
-        return Workload(32, 16, tuple(range(4, 33, 4)), new_tokens=8, repeats=1)
+        return Workload(32, 16, tuple(range(4, 33, 4)), new_tokens=8, repeats=1, copy_bytes=16 << 20)
 
 
 def resident_bytes(field: str) -> int:
@@ -82,17 +89,27 @@ def random_prompts(lengths: tuple[int, ...], vocab_size: int, stop_tokens: tuple
 class A4Runner:
     """a4's engine, driven step by step so that each decode step can be timed."""
 
-    def __init__(self, model_dir: Path, dtype: str, max_prefill_tokens: int, device: str = "cpu") -> None:
+    def __init__(
+        self,
+        model_dir: Path,
+        dtype: str,
+        max_prefill_tokens: int,
+        device: str = "cpu",
+        max_running_requests: int = 8,
+        cuda_graphs: bool | None = None,
+    ) -> None:
         from a4 import LLM
 
-        # No prefix cache: the prefill runs repeat one prompt, which must be computed every time.
+        # No prefix cache: the prefill runs repeat one prompt, which must be computed every time. cuda_graphs: None
+        # is the engine's default (see EngineConfig).
         self.llm = LLM(
             model_dir,
             dtype=dtype,
             device=device,
-            max_running_requests=8,
+            max_running_requests=max_running_requests,
             max_prefill_tokens=max_prefill_tokens,
             enable_prefix_cache=False,
+            cuda_graphs=cuda_graphs,
         )
 
     def prefill(self, prompt: list[int]) -> None:
@@ -227,13 +244,47 @@ def measure(model_dir: str, dtype: str, workload: Workload, threads: int) -> dic
         }
         for name in SYSTEMS
     }
+    floor = machine_floor(a4.llm.engine.model, config, dtype, workload)
     return {
         "tokens_per_s": tokens_per_s,
         "a4_over_transformers": {w: tokens_per_s["a4"][w] / tokens_per_s["transformers"][w] for w in WORKLOADS},
+        "floor": floor,
+        "fraction_of_floor": {name: fraction_of_floor(tokens_per_s[name], floor, workload) for name in SYSTEMS},
         "prefill_seconds": prefill_seconds,
         "decode_step_seconds": decode_seconds,
         "memory": memory,
     }
+
+
+def machine_floor(model: torch.nn.Module, config, dtype: str, workload: Workload) -> dict:
+    """This machine's GEMM rate at the shapes of the model's MLP (the prompt's tokens times its first projection) and
+    its memory bandwidth, with the bytes and FLOP the model's steps need (`ModelBytes`)."""
+    from a4.models.registry import resolve_dtype
+
+    torch_dtype, cpu = resolve_dtype(dtype), torch.device("cpu")
+    m, k, n = workload.prefill_len, config.hidden_size, config.intermediate_size
+    return {
+        "gemm_shape": [m, k, n],
+        "gemm_flop_per_s": gemm_flop_per_second(m, k, n, torch_dtype, cpu, repeats=5),
+        "copy_bytes_per_s": copy_bytes_per_second(workload.copy_bytes, cpu, repeats=5),
+        **asdict(ModelBytes.of(model, config, torch_dtype)),
+    }
+
+
+def fraction_of_floor(tokens_per_s: dict[str, float], floor: dict, workload: Workload) -> dict[str, float]:
+    """Each workload's floor time over its measured time (see `a4.bench._floor`), from one system's tokens/s.
+
+    Prefill: its weight GEMMs at the GEMM rate. Decode: its bytes (context: the mean over the timed steps) at the
+    copy bandwidth.
+    """
+    model = ModelBytes(**{name: floor[name] for name in ModelBytes.__dataclass_fields__})
+    prefill_seconds = workload.prefill_len / tokens_per_s["prefill"]
+    fractions = {"prefill": model.prefill_flop(workload.prefill_len) / floor["gemm_flop_per_s"] / prefill_seconds}
+    for label, lens in (("decode batch 1", (workload.decode_len,)), ("decode batch 8", workload.batch_lens)):
+        step_seconds = len(lens) / tokens_per_s[label]
+        context = statistics.mean(lens) + workload.new_tokens / 2
+        fractions[label] = model.decode_bytes(len(lens), context) / floor["copy_bytes_per_s"] / step_seconds
+    return fractions
 
 
 def print_table(report: dict) -> None:
@@ -247,6 +298,22 @@ def print_table(report: dict) -> None:
             rates = [result["tokens_per_s"][name][workload] for name in SYSTEMS]
             ratio = result["a4_over_transformers"][workload]
             print(f"{dtype:>9} {workload:>15} {rates[0]:>10.1f} {rates[1]:>13.1f} {ratio:>17.2f}x")
+    print(
+        "\nfraction of this machine's floor (prefill: weight GEMMs at the GEMM rate measured here; decode: bytes read "
+        "at the copy bandwidth measured here)"
+    )
+    print(f"{'dtype':>9} {'workload':>15} {'a4':>10} {'transformers':>13}   floor measured")
+    for dtype, result in report["results"].items():
+        floor = result["floor"]
+        gemm = " x ".join(map(str, floor["gemm_shape"]))
+        peaks = {
+            "prefill": f"{floor['gemm_flop_per_s'] / 1e9:,.0f} GFLOP/s (GEMM {gemm})",
+            "decode": f"{floor['copy_bytes_per_s'] / 1e9:,.1f} GB/s (copy)",
+        }
+        for workload in WORKLOADS:
+            fractions = [result["fraction_of_floor"][name][workload] for name in SYSTEMS]
+            peak = peaks[workload.split()[0]]
+            print(f"{dtype:>9} {workload:>15} {fractions[0]:>10.0%} {fractions[1]:>13.0%}   {peak}")
     for dtype, result in report["results"].items():
         m = result["memory"]
         print(

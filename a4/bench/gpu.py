@@ -1,0 +1,517 @@
+"""Benchmark: a4 on one NVIDIA GPU against transformers, bfloat16 at Qwen3.5-0.8B's shapes, and the floor of each time.
+
+Runs only where CUDA is present. Each part runs in a process of its own (`python -m a4 bench gpu --system PART`,
+which writes PART.json into a scratch folder), one after the other, so that no system inherits another's memory,
+compiled kernels or imported modules:
+- floor: the GPU's memory bandwidth (a 1 GiB device-to-device copy, bytes read plus written per second) and its dense
+  bf16 matrix-multiply rate (one 8192^3 GEMM), with the model's bytes (`a4.bench._floor.ModelBytes`);
+- a4: the engine with CUDA graphs for decode (`cuda_graphs=True`); a4_no_graphs: the same with `cuda_graphs=False`;
+- transformers: `generate` with its torch Gated DeltaNet (flash-linear-attention cannot be imported in its process);
+- transformers_fla: the same with flash-linear-attention, where it is installed (transformers picks it up by itself);
+- context: one GDN layer, one full-attention layer and the whole model decoding one token, at contexts of 1k to 128k.
+
+Each system prefills one 512- and one 2,048-token prompt (median of 5 after a warm-up, one new token) and decodes at
+batch 1, 8, 32, 64 and 128 (prompts of 128 tokens, median of 40 steps; a step is timed as in `bench engine`). The
+two a4 systems also profile one batch-1 decode step (torch.profiler): the GPU kernels it runs and their summed time,
+against the step's wall time (the median step above; the profiler's own overhead would inflate a profiled one).
+The context part prefills nothing: the KV pool holds random keys and values (as in `bench decode-context`). Each of
+its calls is captured in a CUDA graph where it can be (the figure is then the GPU's time, not Python's) and runs
+eagerly where it cannot; it is timed with CUDA events over 10 calls back to back.
+
+The floor of each time: decode, the bytes a step reads (the weights, each request's GDN state and the KV of its
+context, taken as the mean over the timed steps) at the copy bandwidth; prefill, its weight GEMMs
+(2 x non-embedding parameters x tokens) at the GEMM rate. The table gives the times, a4's speedup over each other
+system and the floor as a fraction of each time. Written to --out (default solutions/report/): <gpu>_gpu.json (the
+schema notebook 10 reads) and <gpu>_gpu.png, <gpu> from the device's name (h200); `--quick` (tiny shapes, a few
+steps) writes <gpu>_gpu_quick.*.
+
+    python -m a4 bench gpu [--quick] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib.metadata
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from a4._overlay import REPO_ROOT
+from a4.bench import Unavailable
+from a4.bench._floor import ModelBytes, copy_bytes_per_second, gemm_flop_per_second
+from a4.bench._timing import device_seconds
+from a4.checkpoints import make_checkpoint
+
+DEFAULT_OUT_DIR = REPO_ROOT / "solutions" / "report"
+DTYPE_NAME = "bfloat16"
+DTYPE = getattr(torch, DTYPE_NAME)
+GRAPHS = {"a4": True, "a4_no_graphs": False}  # the a4 systems and their `cuda_graphs`
+SYSTEMS = (*GRAPHS, "transformers", "transformers_fla")
+PARTS = ("floor", *SYSTEMS, "context")
+KERNEL_PACKAGES = ("fla", "causal_conv1d")  # what transformers would take instead of its torch Gated DeltaNet
+FLA_DISTRIBUTIONS = ("flash-linear-attention", "fla-core")
+MAX_PREFILL_TOKENS = 8192
+CONTEXT_SERIES = {"GDN layer": "gdn_layer_ms", "attention layer": "attention_layer_ms"}  # decode_context's names
+
+
+@dataclass(frozen=True)
+class Workload:
+    preset: str  # the checkpoint's shapes
+    prefill_lens: tuple[int, ...]
+    batches: tuple[int, ...]  # decode batch sizes
+    prompt_len: int  # of each decoding request
+    decode_steps: int  # timed per batch size
+    prefill_repeats: int
+    contexts: tuple[int, ...]  # of the decode-vs-context part
+    repeats: int  # of the floor's and the context part's timings
+    copy_bytes: int
+    gemm_size: int  # the floor's GEMM is gemm_size^3
+
+    @staticmethod
+    def full() -> Workload:
+        return Workload(
+            "0.8b", (512, 2048), (1, 8, 32, 64, 128), prompt_len=128, decode_steps=40, prefill_repeats=5,
+            contexts=(1024, 4096, 16384, 65536, 131072), repeats=20, copy_bytes=1 << 30, gemm_size=8192,
+        )  # fmt: skip
+
+    @staticmethod
+    def quick() -> Workload:
+        return Workload(
+            "tiny", (32, 128), (1, 8), prompt_len=16, decode_steps=4, prefill_repeats=2, contexts=(256, 1024),
+            repeats=3, copy_bytes=16 << 20, gemm_size=256,
+        )  # fmt: skip
+
+    @property
+    def decode_context(self) -> float:
+        """A decoding request's mean context over the timed steps."""
+        return self.prompt_len + self.decode_steps / 2
+
+
+# ------------------------------------------------------------------------------------- one part, in its own process
+
+
+def run_part(part: str, model_dir: Path, workload: Workload, device: torch.device) -> dict:
+    """Measure one part (see the module docstring) on `device`; the CPU runs them too, for the tests."""
+    if part == "floor":
+        return measure_floor(model_dir, workload, device)
+    if part == "context":
+        return measure_context(model_dir, workload, device)
+    if part in SYSTEMS:
+        return measure_system(part, model_dir, workload, device)
+    raise ValueError(f"unknown part {part!r} (expected one of {', '.join(PARTS)})")
+
+
+def measure_floor(model_dir: Path, workload: Workload, device: torch.device) -> dict:
+    from a4.models.registry import load_model
+
+    config, model, _ = load_model(model_dir, dtype=DTYPE, device=device, progress=False)
+    model_bytes = ModelBytes.of(model, config, DTYPE)
+    del model
+    n = workload.gemm_size
+    return {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "hbm_bytes_per_s": copy_bytes_per_second(workload.copy_bytes, device, workload.repeats),
+        "bf16_flop_per_s": gemm_flop_per_second(n, n, n, DTYPE, device, workload.repeats),
+        **asdict(model_bytes),
+    }
+
+
+def measure_system(name: str, model_dir: Path, workload: Workload, device: torch.device) -> dict:
+    """Prefill and decode times (ms) of one system; the a4 systems on CUDA add their launch profile."""
+    from a4.bench.engine import random_prompts
+    from a4.models.config import load_model_config
+
+    runner = make_runner(name, model_dir, workload, device)
+    config = load_model_config(model_dir)
+    lengths = (*workload.prefill_lens, *[workload.prompt_len] * max(workload.batches))
+    prompts = random_prompts(lengths, config.vocab_size, config.eos_token_ids, seed=0)
+    prefill_prompts, decode_prompts = prompts[: len(workload.prefill_lens)], prompts[len(workload.prefill_lens) :]
+
+    result = {
+        "prefill_ms": {
+            str(len(prompt)): device_seconds(lambda p=prompt: runner.prefill(p), device, workload.prefill_repeats) * 1e3
+            for prompt in prefill_prompts
+        }
+    }
+    runner.decode_step_seconds(decode_prompts[:1], 3)  # warm-up
+    result["decode_ms"] = {
+        str(batch): statistics.median(runner.decode_step_seconds(decode_prompts[:batch], workload.decode_steps + 1))
+        * 1e3
+        for batch in workload.batches
+    }
+    if name in GRAPHS and device.type == "cuda":
+        result["launch_profile"] = launch_profile(runner.llm.engine, decode_prompts[0], result["decode_ms"]["1"])
+    return result
+
+
+def make_runner(name: str, model_dir: Path, workload: Workload, device: torch.device):
+    from a4.bench.engine import A4Runner, TransformersRunner
+
+    if name in GRAPHS:
+        return A4Runner(
+            model_dir,
+            DTYPE_NAME,
+            max_prefill_tokens=MAX_PREFILL_TOKENS,
+            device=device,
+            max_running_requests=max(workload.batches),
+            # On a CPU, True runs the static decode buffers without capture, False the plain decode.
+            cuda_graphs=GRAPHS[name],
+        )
+    runner = TransformersRunner(model_dir, DTYPE_NAME, device=device)
+    if (name == "transformers_fla") != kernel_package_imported("fla"):
+        raise RuntimeError(
+            f"{name}: transformers {'did not import' if name == 'transformers_fla' else 'imported'} "
+            "flash-linear-attention"
+        )
+    return runner
+
+
+def block_kernel_packages() -> None:
+    """Make flash-linear-attention and causal-conv1d unimportable in this process, installed or not.
+
+    A None in sys.modules makes `import fla` raise ImportError and `importlib.util.find_spec("fla")` return None:
+    the two ways transformers' releases look for these packages. It must come before transformers imports its
+    Qwen3.5 model code, which picks its Gated DeltaNet functions once; `make_runner` checks that it did.
+    """
+    for package in KERNEL_PACKAGES:
+        sys.modules[package] = None
+
+
+def kernel_package_imported(package: str) -> bool:
+    return any(
+        module is not None and (name == package or name.startswith(package + "."))
+        for name, module in list(sys.modules.items())
+    )
+
+
+def launch_profile(engine, prompt: list[int], wall_ms: float) -> dict:
+    """The GPU kernels of one batch-1 decode step (count, summed time) and the step's wall time, wall_ms."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from a4 import SamplingParams
+
+    req = engine.add_request(prompt, SamplingParams(max_new_tokens=4, ignore_eos=True))
+    engine.step()  # the prefill
+    engine.step()  # a first decode step
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        engine.step()
+        torch.cuda.synchronize()
+    engine.run([req])
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return {"kernels": len(kernels), "kernel_ms": sum(e.device_time_total for e in kernels) / 1e3, "wall_ms": wall_ms}
+
+
+@torch.inference_mode()
+def measure_context(model_dir: Path, workload: Workload, device: torch.device) -> dict:
+    """One GDN layer, one attention layer and the whole model decoding one token at each context (ms)."""
+    from a4.bench.decode_context import decode_batch, layer_runs, random_kv_pool
+    from a4.kvcache.state_pool import StatePool
+    from a4.models.registry import load_model
+
+    config, model, _ = load_model(model_dir, dtype=DTYPE, device=device, progress=False)
+    gdn = next(layer.linear_attn for layer in model.model.layers if layer.is_linear)
+    attention = next(layer.self_attn for layer in model.model.layers if not layer.is_linear)
+    result: dict[str, list] = {key: [] for key in (*CONTEXT_SERIES.values(), "step_ms")}
+    graphed = []
+    for _, runs in layer_runs(config, gdn, attention, model.model.rotary_emb, workload.contexts):
+        for name, run in runs.items():
+            ms, captured = call_ms(run, device, workload.repeats)
+            result[CONTEXT_SERIES[name]].append(ms)
+            graphed.append(captured)
+
+    kv_pool = random_kv_pool(config, len(config.full_attention_layers), max(workload.contexts) + 1, DTYPE, device)
+    state_pool = StatePool(config, 1, DTYPE, device)
+    for context in workload.contexts:
+        fb = decode_batch(context, kv_pool, state_pool)
+        ms, captured = call_ms(lambda: model(fb), device, workload.repeats)
+        result["step_ms"].append(ms)
+        graphed.append(captured)
+    print(f"context part: {sum(graphed)} of {len(graphed)} calls ran as CUDA graphs, the others eagerly")
+    return result
+
+
+def call_ms(run: Callable[[], object], device: torch.device, repeats: int) -> tuple[float, bool]:
+    """Milliseconds per call of run, as a CUDA graph where it captures (then True) and eagerly otherwise."""
+    replay, captured = as_cuda_graph(run, device)
+    return device_seconds(replay, device, repeats, inner=10) * 1e3, captured
+
+
+def as_cuda_graph(run: Callable[[], object], device: torch.device) -> tuple[Callable[[], object], bool]:
+    """(the replay of run captured in a CUDA graph, True), or (run, False) where it cannot be captured (a host sync,
+    a CPU tensor, ... inside) or there is no CUDA."""
+    if device.type != "cuda":
+        return run, False
+    # Warm up on a side stream (lazy initialisation, kernel autotuning), as torch.cuda.graphs' docs prescribe.
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        run()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            run()
+    except Exception:  # noqa: BLE001 - what breaks a capture varies (RuntimeError, AcceleratorError, ...)
+        torch.cuda.synchronize(device)
+        return run, False
+    return graph.replay, True
+
+
+# -------------------------------------------------------------------------------------------- the whole benchmark
+
+
+def main(quick: bool = False, out_dir: Path | None = None, system: str | None = None) -> dict:
+    """Every part in its own process, then the table, <gpu>_gpu.json and .png in out_dir; returns the JSON.
+
+    With `system`, this process is one part's: it measures that part and writes out_dir/PART.json.
+    """
+    if not torch.cuda.is_available():
+        raise Unavailable(
+            f"it needs an NVIDIA GPU with CUDA, and torch.cuda.is_available() is False here (torch {torch.__version__})"
+        )
+    if system == "transformers":
+        block_kernel_packages()  # first: before anything imports transformers' model code
+    workload = Workload.quick() if quick else Workload.full()
+    out_dir = Path(out_dir) if out_dir is not None else DEFAULT_OUT_DIR
+    model_dir = make_checkpoint(None, "qwen3_5", preset=workload.preset)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if system is not None:
+        result = run_part(system, model_dir, workload, torch.device("cuda"))
+        (out_dir / f"{system}.json").write_text(json.dumps(result, indent=2) + "\n")
+        return result
+
+    parts = run_parts(quick)
+    report = assemble(parts, workload, meta(parts["floor"]["device"], workload, "transformers_fla" in parts))
+    print_table(report)
+    stem = f"{device_slug(report['meta']['device'])}_gpu{'_quick' if quick else ''}"
+    (out_dir / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
+    plot(report, out_dir / f"{stem}.png")
+    print(f"wrote {out_dir / stem}.json and .png")
+    return report
+
+
+def run_parts(quick: bool) -> dict[str, dict]:
+    """Each part in a fresh `python -m a4 bench gpu --system PART`, one after the other; the parts that ran."""
+    parts = [part for part in PARTS if part != "transformers_fla" or installed_version(FLA_DISTRIBUTIONS)]
+    if "transformers_fla" not in parts:
+        print("flash-linear-attention is not installed: no transformers_fla system")
+    results = {}
+    with tempfile.TemporaryDirectory() as scratch:
+        for part in parts:
+            print(f"-- {part}", flush=True)
+            command = [sys.executable, "-m", "a4", "bench", "gpu", "--system", part, "--out", scratch]
+            status = subprocess.run(command + (["--quick"] if quick else [])).returncode
+            if status != 0:
+                print(f"-- {part} failed (exit status {status}): left out of the report", flush=True)
+                continue
+            results[part] = json.loads((Path(scratch) / f"{part}.json").read_text())
+    if "floor" not in results:
+        raise RuntimeError("the floor part failed: nothing to compare the times with")
+    return results
+
+
+def installed_version(distributions: tuple[str, ...]) -> str | None:
+    """The version of the first of these distributions that is installed, or None."""
+    for distribution in distributions:
+        try:
+            return importlib.metadata.version(distribution)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return None
+
+
+def meta(device: str, workload: Workload, with_fla: bool) -> dict:
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, check=True
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        commit = "unknown"  # a copy of the tree without its .git
+    return {
+        "device": device,
+        "torch": torch.__version__,
+        "triton": installed_version(("triton", "pytorch-triton")),
+        "transformers": installed_version(("transformers",)),
+        "fla": installed_version(FLA_DISTRIBUTIONS) if with_fla else None,
+        "dtype": DTYPE_NAME,
+        "shapes": workload.preset,
+        "date": datetime.date.today().isoformat(),
+        "commit": commit,
+    }
+
+
+def device_slug(device: str) -> str:
+    """'NVIDIA H200' -> 'h200': the device's name for file names."""
+    return device.lower().removeprefix("nvidia ").replace(" ", "_")
+
+
+def assemble(parts: dict[str, dict], workload: Workload, meta: dict) -> dict:
+    """The report (the JSON notebook 10 reads) from the parts' results; systems that did not run are left out."""
+    floor = parts["floor"]
+    model_bytes = ModelBytes(**{name: floor[name] for name in ModelBytes.__dataclass_fields__})
+    report = {
+        "meta": meta,
+        "floor": {
+            "hbm_bytes_per_s": floor["hbm_bytes_per_s"],
+            "bf16_flop_per_s": floor["bf16_flop_per_s"],
+            "weight_bytes": model_bytes.weight_bytes,
+            "decode_floor_ms": {
+                str(batch): model_bytes.decode_bytes(batch, workload.decode_context) / floor["hbm_bytes_per_s"] * 1e3
+                for batch in workload.batches
+            },
+            "prefill_floor_ms": {
+                str(n): model_bytes.prefill_flop(n) / floor["bf16_flop_per_s"] * 1e3 for n in workload.prefill_lens
+            },
+        },
+        "systems": {
+            name: {"prefill_ms": parts[name]["prefill_ms"], "decode_ms": parts[name]["decode_ms"]}
+            for name in SYSTEMS
+            if name in parts
+        },
+    }
+    if "context" in parts:
+        report["decode_vs_context"] = {"context": list(workload.contexts), "batch": 1, **parts["context"]}
+    report["launch_profile"] = [
+        {"system": name, "batch": 1, **parts[name]["launch_profile"]}
+        for name in ("a4_no_graphs", "a4")
+        if "launch_profile" in parts.get(name, {})
+    ]
+    return report
+
+
+def rows(report: dict) -> list[tuple[str, str, str]]:
+    """(label, "prefill_ms" or "decode_ms", key) for each figure of a system, in the table's order."""
+    floor = report["floor"]
+    return [(f"prefill {n} tokens", "prefill_ms", n) for n in floor["prefill_floor_ms"]] + [
+        (f"decode batch {b}", "decode_ms", b) for b in floor["decode_floor_ms"]
+    ]
+
+
+def floor_ms(report: dict, kind: str, key: str) -> float:
+    return report["floor"]["prefill_floor_ms" if kind == "prefill_ms" else "decode_floor_ms"][key]
+
+
+def speedups(report: dict) -> dict[str, dict[str, float]]:
+    """a4's speedup over each other system: {system: {row label: its time / a4's time}}."""
+    systems = report["systems"]
+    if "a4" not in systems:
+        return {}
+    return {
+        name: {label: times[kind][key] / systems["a4"][kind][key] for label, kind, key in rows(report)}
+        for name, times in systems.items()
+        if name != "a4"
+    }
+
+
+def floor_fractions(report: dict) -> dict[str, dict[str, float]]:
+    """The floor as a fraction of each time: {system: {row label: floor / time}} (1.0: the hardware flat out)."""
+    return {
+        name: {label: floor_ms(report, kind, key) / times[kind][key] for label, kind, key in rows(report)}
+        for name, times in report["systems"].items()
+    }
+
+
+def print_table(report: dict) -> None:
+    meta, floor, systems = report["meta"], report["floor"], report["systems"]
+    print(
+        f"\n{meta['device']}, {meta['dtype']}, Qwen3.5-{meta['shapes']} shapes (random weights); floor measured here: "
+        f"{floor['hbm_bytes_per_s'] / 1e12:.2f} TB/s copy, {floor['bf16_flop_per_s'] / 1e12:.0f} TFLOP/s bf16 GEMM"
+    )
+    names = list(systems)
+    width = max(len(name) for name in [*names, "transformers"]) + 2
+
+    def block(title: str, columns: dict[str, dict[str, float]], fmt: str, floor_column: bool = False) -> None:
+        print(f"\n{title}")
+        print(f"{'':<20}" + "".join(f"{name:>{width}}" for name in columns) + (f"{'floor':>{width}}" * floor_column))
+        for label, kind, key in rows(report):
+            line = f"{label:<20}" + "".join(f"{format(values[label], fmt):>{width}}" for values in columns.values())
+            print(line + (f"{floor_ms(report, kind, key):>{width}.3f}" if floor_column else ""))
+
+    times = {name: {label: systems[name][kind][key] for label, kind, key in rows(report)} for name in names}
+    block("time, ms (prefill: median of the runs; decode: median step)", times, ".2f", floor_column=True)
+    if speedups(report):
+        block("a4's speedup: the other system's time / a4's", speedups(report), ".2f")
+    block("fraction of the floor: floor time / time", floor_fractions(report), ".1%")
+
+    if "decode_vs_context" in report:
+        part = report["decode_vs_context"]
+        print(f"\ndecode vs context, batch {part['batch']}, ms")
+        print(f"{'context':>8}{'GDN layer':>12}{'attention layer':>18}{'whole step':>12}")
+        for i, context in enumerate(part["context"]):
+            print(
+                f"{context:>8}{part['gdn_layer_ms'][i]:>12.3f}{part['attention_layer_ms'][i]:>18.3f}"
+                f"{part['step_ms'][i]:>12.3f}"
+            )
+    for row in report["launch_profile"]:
+        print(
+            f"\n{row['system']}, one decode step at batch {row['batch']}: {row['kernels']} GPU kernels running "
+            f"{row['kernel_ms']:.2f} ms of a {row['wall_ms']:.2f} ms step ({row['kernel_ms'] / row['wall_ms']:.0%})"
+        )
+
+
+def draw(report: dict, axes) -> None:
+    """Decode step vs batch, prefill, decode vs context and the launch profile, on four matplotlib axes."""
+    decode_ax, prefill_ax, context_ax, launch_ax = axes
+    floor, systems = report["floor"], report["systems"]
+    batches = [int(b) for b in floor["decode_floor_ms"]]
+    for name, times in systems.items():
+        decode_ax.plot(batches, list(times["decode_ms"].values()), marker="o", label=name)
+    decode_ax.plot(batches, list(floor["decode_floor_ms"].values()), "k--", label="floor (bytes / bandwidth)")
+    decode_ax.set(xscale="log", yscale="log", xlabel="batch", ylabel="ms per decode step")
+    decode_ax.set_xticks(batches, [str(b) for b in batches])
+    decode_ax.minorticks_off()
+    decode_ax.set_title("decode step", loc="left", fontsize=10)
+    decode_ax.legend(fontsize=7)
+
+    lens = list(floor["prefill_floor_ms"])
+    width = 0.8 / (len(systems) + 1)
+    for i, (name, values) in enumerate([*((n, t["prefill_ms"]) for n, t in systems.items()),
+                                        ("floor (GEMM FLOP / rate)", floor["prefill_floor_ms"])]):  # fmt: skip
+        prefill_ax.bar([j + i * width for j in range(len(lens))], [values[n] for n in lens], width, label=name)
+    prefill_ax.set_xticks([j + 0.4 - width / 2 for j in range(len(lens))], [f"{n} tokens" for n in lens])
+    prefill_ax.set(yscale="log", ylabel="ms per prefill")
+    prefill_ax.set_title("prefill of one prompt", loc="left", fontsize=10)
+    prefill_ax.legend(fontsize=7)
+
+    if "decode_vs_context" in report:
+        part = report["decode_vs_context"]
+        for key, label in (("gdn_layer_ms", "one GDN layer"), ("attention_layer_ms", "one attention layer"),
+                           ("step_ms", "whole step")):  # fmt: skip
+            context_ax.plot(part["context"], part[key], marker="o", label=label)
+        context_ax.set(xscale="log", yscale="log", xlabel="context (tokens)", ylabel="ms")
+        context_ax.legend(fontsize=7)
+    context_ax.set_title("decode vs context, batch 1", loc="left", fontsize=10)
+
+    profile = report["launch_profile"]
+    if not profile:
+        launch_ax.text(0.5, 0.5, "no launch profile: a4 ran on no GPU", ha="center", transform=launch_ax.transAxes)
+    labels = [row["system"] for row in profile]
+    launch_ax.bar(labels, [row["wall_ms"] for row in profile], 0.6, label="wall time of the step")
+    bars = launch_ax.bar(labels, [row["kernel_ms"] for row in profile], 0.4, label="GPU kernels' summed time")
+    launch_ax.bar_label(bars, [f"{row['kernels']} kernels" for row in profile], fontsize=7)
+    launch_ax.set_ylabel("ms")
+    launch_ax.set_title("one batch-1 decode step", loc="left", fontsize=10)
+    launch_ax.legend(fontsize=7)
+
+
+def plot(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 2, figsize=(12, 8))
+    draw(report, axes.flat)
+    meta = report["meta"]
+    fig.suptitle(f"a4 vs transformers on {meta['device']}, {meta['dtype']}, Qwen3.5-{meta['shapes']} shapes",
+                 fontsize=11)  # fmt: skip
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
