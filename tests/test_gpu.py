@@ -72,7 +72,8 @@ def test_greedy_equals_transformers(model, cuda_graphs, max_running_requests):
 def test_prefix_hits_equal_transformers(model, policy):
     ckpt, reference = model
     # Chunks of 16 tokens: Qwen3.5 resumes only where a state checkpoint was kept, at a chunk boundary.
-    llm = LLM(ckpt, device="cuda", max_running_requests=4, max_prefill_tokens=16, hybrid_prefix_policy=policy)
+    llm = LLM(ckpt, device="cuda", max_running_requests=4, max_prefill_tokens=16, hybrid_prefix_policy=policy,
+              max_state_checkpoints=64)  # every chunk boundary of the first round kept
     llm.generate(PROMPTS[4:8], SamplingParams(max_new_tokens=MAX_NEW))
     outputs = llm.generate(PROMPTS[3:8], SamplingParams(max_new_tokens=MAX_NEW))
     assert [out.token_ids for out in outputs] == reference[3:8]

@@ -49,6 +49,10 @@ BOOK_CONFIG = Path("book/_config.yml")
 EXECUTE_NOTEBOOKS = re.compile(r"^(?P<key>\s*execute_notebooks:).*$", re.MULTILINE)
 
 
+# solutions/ files that a handout needs as data, and where the handout keeps them (a4.course.checks.gpu reads both).
+MEASURED_DATA = {Path("solutions/report/h200_gpu.json"): Path("notebooks/data/h200_gpu.json")}
+
+
 class ReleaseError(RuntimeError):
     pass
 
@@ -123,4 +127,10 @@ def release(repo: Path, out_dir: Path) -> list[Path]:
     for path in replacements:
         (out_dir / path).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(repo / HANDOUT_DIR / path, out_dir / path)
+    # The H200 figures notebook 10 draws: measured data, not a solution, though the course keeps them with its report.
+    for source, target in MEASURED_DATA.items():
+        if (repo / source).is_file():
+            (out_dir / target).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(repo / source, out_dir / target)
+            replacements = [*replacements, target]
     return sorted(set(copied) | set(replacements))

@@ -352,15 +352,17 @@ def gdn_shapes(preset: str, arch: str = "qwen3_5") -> GDNShapes:
 
 # ------------------------------------------------------------------------------------------------- the H200 figures
 
-# Where the course keeps its H200 run (written by `python -m a4 bench gpu` on the H200); A4_GPU_REPORT overrides it.
-H200_REPORT = REPO_ROOT / "notebooks" / "data" / "h200_gpu.json"
+# Where the course keeps its H200 run (written by `python -m a4 bench gpu` on the H200), and where a handout has it
+# (a4.course.release copies it there); A4_GPU_REPORT overrides both.
+H200_REPORTS = (REPO_ROOT / "solutions" / "report" / "h200_gpu.json", REPO_ROOT / "notebooks" / "data" / "h200_gpu.json")
 GPU_REPORT_ENV = "A4_GPU_REPORT"
 
 
 def gpu_report(path: Path | None = None) -> dict[str, Any] | None:
-    """The H200 figures: the file `path`, else $A4_GPU_REPORT, else the course's run (H200_REPORT); None if none
+    """The H200 figures: the file `path`, else $A4_GPU_REPORT, else the course's run (H200_REPORTS); None if none
     exists (it says so)."""
-    path = Path(path or os.environ.get(GPU_REPORT_ENV) or H200_REPORT)
+    found = next((report for report in H200_REPORTS if report.is_file()), H200_REPORTS[0])
+    path = Path(path or os.environ.get(GPU_REPORT_ENV) or found)
     if not path.is_file():
         print(f"No H200 figures at {path}: the cells that draw them show nothing.")
         return None
