@@ -30,6 +30,7 @@ import torch
 from a4.bench._timing import median_seconds
 from a4.checkpoints import make_checkpoint
 from a4.core import ForwardBatch
+from a4.engine.factories import create_attention_backend
 from a4.kvcache.kv_pool import KVPool
 from a4.models.config import FULL_ATTENTION, ModelConfig
 from a4.models.registry import load_model
@@ -70,6 +71,8 @@ def decode_batch(context: int, kv_pool: KVPool, state_pool: object | None = None
         req_to_token=torch.arange(kv_pool.num_locations, device=kv_pool.device)[None],
         kv_pool=kv_pool,
         state_pool=state_pool,
+        # The engine's backend for the device: on CUDA the Triton paged kernel, which reads keys in place.
+        attn_backend=create_attention_backend(kv_pool.device),
     )
 
 
