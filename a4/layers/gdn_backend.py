@@ -16,16 +16,21 @@ A GDN layer reaches its memory as an attention layer does: through the step's co
 from __future__ import annotations
 
 import importlib.util
+from typing import TYPE_CHECKING
 
 import torch
 
 from a4.core import ForwardBatch
 from a4.layers.deltanet import GatedDeltaNet
 
+if TYPE_CHECKING:
+    from a4.models.qwen3_5 import GDNStates
+
 
 def gdn_forward(layer: GatedDeltaNet, hidden: torch.Tensor, fb: ForwardBatch, pool_layer: int) -> torch.Tensor:
     """hidden [T, hidden_size] -> [T, hidden_size]; the layer's states are state-pool layer `pool_layer`."""
-    conv_state, recurrent_state = fb.state_pool.conv_state(pool_layer), fb.state_pool.recurrent_state(pool_layer)
+    states: GDNStates = fb.state_pool
+    conv_state, recurrent_state = states.conv_state(pool_layer), states.recurrent_state(pool_layer)
     if fb.graph_safe:
         return gdn_by_slot(layer, hidden, fb, conv_state, recurrent_state)
     # fla's kernels compute float32 products in TF32: a float32 model keeps notebook 04's exact arithmetic.
