@@ -24,6 +24,7 @@ decode against the time of reading its bytes (weights, GDN states, KV) at that b
 
 from __future__ import annotations
 
+import contextlib
 import json
 import multiprocessing
 import re
@@ -36,10 +37,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+from torch.nn.attention import sdpa_kernel
 
 from a4.bench._floor import ModelBytes, copy_bytes_per_second, gemm_flop_per_second
 from a4.checkpoints import make_checkpoint
 from a4.dtypes import DTYPES
+from a4.layers.attention import SDPA_BACKENDS
 
 SYSTEMS = ("a4", "transformers")
 WORKLOADS = ("prefill", "decode batch 1", "decode batch 8")
@@ -177,7 +180,10 @@ class TransformersRunner:
         input_ids = torch.tensor([[pad] * (longest - len(p)) + p for p in prompts], device=self.device)
         attention_mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in prompts], device=self.device)
         clock = self.clock_class()
-        with torch.no_grad():
+        # On a CPU, the SDPA kernels a4's attention uses: torch's flash kernel fails in bfloat16 where
+        # ATEN_CPU_CAPABILITY emulates a lesser CPU (see a4.layers.attention). A GPU keeps transformers' own choice.
+        kernels = sdpa_kernel(SDPA_BACKENDS) if self.device.type == "cpu" else contextlib.nullcontext()
+        with torch.no_grad(), kernels:
             self.model.generate(
                 input_ids,
                 attention_mask=attention_mask,
