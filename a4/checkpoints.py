@@ -9,8 +9,9 @@ transformers' `from_pretrained` proves that they load: tests check that nothing 
 Architectures (`arch`):
 - `qwen3`: Qwen3ForCausalLM, every layer full attention, flat config.json.
 - `qwen3_5`: Qwen3_5ForConditionalGeneration: `model.language_model.*` (Gated DeltaNet + gated attention layers),
-  a vision tower `model.visual.*` and the multi-token-prediction module `mtp.*` (both unused by a4, present because
-  real checkpoints carry them), `lm_head.weight` only when embeddings are untied.
+  a vision tower `model.visual.*` (unused by a4, present because real checkpoints carry it), the
+  multi-token-prediction module `mtp.*` (random weights; a4.models.qwen3_5_mtp loads it apart from the main model),
+  `lm_head.weight` only when embeddings are untied.
 - `qwen3_5_moe`: Qwen3_5MoeForConditionalGeneration: as `qwen3_5`, with sparse MoE MLPs whose experts are stored
   fused (`mlp.experts.gate_up_proj` [E, 2I, H], gate rows first; `mlp.experts.down_proj` [E, H, I]); its MTP layer
   stores experts one by one, as the real checkpoint does.

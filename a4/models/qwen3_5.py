@@ -8,7 +8,7 @@ blocks, a gated MLP, a final norm and lm_head, except that every norm outside th
 
 The engine's differences from transformers are a4's Qwen3's: a flat ForwardBatch in, logits only at
 fb.sample_indices out. The checkpoint is multimodal; `checkpoint_key_map` (the exercise of notebook 02) loads its
-language model and skips the vision encoder and the MTP module.
+language model and skips the vision encoder and the MTP module (a4.models.qwen3_5_mtp loads that one apart).
 
 Where each layer keeps its memory (`pool_layer_of`):
 - a full-attention layer: a layer of fb.kv_pool. The KV pool holds only the full-attention layers, so the j-th
@@ -64,9 +64,10 @@ def dense_mlp(config: ModelConfig) -> nn.Module:
 
 
 class Qwen3_5DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int, pool_layer: int, make_mlp: MlpFactory = dense_mlp) -> None:
+    def __init__(self, config: ModelConfig, layer_type: str, pool_layer: int, make_mlp: MlpFactory = dense_mlp) -> None:
         super().__init__()
-        self.is_linear = config.layer_types[layer_id] == LINEAR_ATTENTION
+        # layer_type, not config.layer_types[i]: the MTP module's full-attention layer is in no list of the config.
+        self.is_linear = layer_type == LINEAR_ATTENTION
         self.pool_layer = pool_layer
         self.input_layernorm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps)
         # One of the two mixers, under the attribute name the checkpoint uses for it.
@@ -95,7 +96,7 @@ class Qwen3_5TextModel(nn.Module):
         pool_layers = pool_layer_of(config)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            Qwen3_5DecoderLayer(config, i, pool_layers[i], make_mlp) for i in range(config.num_hidden_layers)
+            Qwen3_5DecoderLayer(config, kind, pool_layers[i], make_mlp) for i, kind in enumerate(config.layer_types)
         )
         self.norm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps)
         # Partial RoPE: the tables cover only the rotary dims; the attention layers leave the other dims alone.

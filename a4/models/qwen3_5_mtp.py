@@ -1,0 +1,111 @@
+"""Qwen3.5's multi-token-prediction (MTP) module: one more decoder layer that guesses the token after the next.
+
+Given, at position i, the main model's final hidden state h_i (the one lm_head turns into the logits of token i+1)
+and the token t_{i+1} that follows, the MTP module predicts token i+2:
+
+    x      = fc(cat(pre_fc_norm_embedding(embed(t_{i+1})), pre_fc_norm_hidden(h_i)))      fc: [2H] -> [H]
+    x      = one full-attention decoder layer (gated attention over its own KV, at position i; a dense MLP)
+    logits = lm_head(norm(x))
+
+The embedding and lm_head are the main model's (shared, not stored under `mtp.*`); every norm is zero-centred, as
+in the rest of Qwen3.5. The layout is the checkpoint's (/work/shared/reference/qwen3_5-configs.md). Which hidden
+state and which position: vLLM's Qwen3.5 MTP (vllm/model_executor/models/qwen3_5_mtp.py) applies the two pre-fc
+norms and the concatenation in this order, and its speculative proposer (vllm/v1/spec_decode/eagle.py) feeds it the
+target model's output hidden states, i.e. AFTER the main model's final norm (`Qwen3_5Model.forward` returns
+`norm(hidden + residual)`), with the token ids shifted one left and the positions of the hidden states unchanged.
+transformers has no MTP module, so tests/test_mtp.py checks this one against a naive implementation of that layout.
+
+The MTP layer is one more attention layer for the KV pool: it reads and writes its KV at pool layer `pool_layer`,
+by default the one after the main model's full-attention layers. Chained drafts feed the module's own normed output
+back in as the next h.
+
+`load_mtp` loads the `mtp.*` tensors of a checkpoint (those notebook 02's key map skips for the main model) with
+a4's safetensors loader: every `mtp.*` key must fill a parameter, every parameter must be filled, and every other key
+is skipped unread.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from a4.core import ForwardBatch
+from a4.layers.gated_attention import ZeroCenteredRMSNorm
+from a4.layers.rope import RotaryEmbedding
+from a4.models.config import FULL_ATTENTION, ModelConfig
+from a4.models.qwen3_5 import Qwen3_5DecoderLayer, Qwen3_5ForConditionalGeneration
+from a4.models.registry import default_dtype
+from a4.models.weights import LoadReport, load_weights
+
+MTP_PREFIX = "mtp."
+
+
+class Qwen3_5MTP(nn.Module):
+    """The `mtp.*` weights (parameter names are the checkpoint's without `mtp.`) and the main model's embedding and
+    lm_head, which it uses but does not own: they are not among its parameters, so loading asks only for `mtp.*`."""
+
+    def __init__(self, config: ModelConfig, main: Qwen3_5ForConditionalGeneration, pool_layer: int | None = None):
+        super().__init__()
+        if config.is_moe:
+            # The MoE checkpoint stores the MTP layer's experts one by one, where a4's SparseMoeBlock holds them fused.
+            raise ValueError(
+                "the MTP module of a Qwen3.5-MoE checkpoint is not supported: its layer stores its experts one by one "
+                "(mtp.layers.0.mlp.experts.<e>.{gate,up,down}_proj.weight); a4 loads the MTP module of dense Qwen3.5"
+            )
+        hidden, eps = config.hidden_size, config.rms_norm_eps
+        self.pool_layer = len(config.full_attention_layers) if pool_layer is None else pool_layer
+        self.pre_fc_norm_embedding = ZeroCenteredRMSNorm(hidden, eps)
+        self.pre_fc_norm_hidden = ZeroCenteredRMSNorm(hidden, eps)
+        self.fc = nn.Linear(2 * hidden, hidden, bias=False)
+        self.layers = nn.ModuleList([Qwen3_5DecoderLayer(config, FULL_ATTENTION, self.pool_layer)])
+        self.norm = ZeroCenteredRMSNorm(hidden, eps)
+        self.rotary_emb = RotaryEmbedding(config.rotary_dim, config.rope_theta, config.max_position_embeddings)
+        # A tuple, not attributes: nn.Module would register them, and they would count as this module's weights.
+        self.shared = (main.model.embed_tokens, main.lm_head)
+
+    def forward(self, fb: ForwardBatch, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Normed output [S, hidden] of the rows fb.sample_indices: feed it to `logits`, or back in for a next draft.
+
+        Row r of the batch: fb.input_ids[r] is the token that follows the position whose main-model final hidden
+        state is hidden_states[r] ([T, hidden], after the main model's norm), and fb.positions[r] is that position.
+        """
+        embed_tokens, _ = self.shared
+        embedded = self.pre_fc_norm_embedding(embed_tokens(fb.input_ids))
+        x = self.fc(torch.cat((embedded, self.pre_fc_norm_hidden(hidden_states)), dim=-1))
+        cos, sin = self.rotary_emb(fb.positions, x.dtype)
+        for layer in self.layers:
+            x = layer(x, cos, sin, fb)
+        return self.norm(x[fb.sample_indices])
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The main model's lm_head over `forward`'s output, cast to float32 as the main model's logits are."""
+        _, lm_head = self.shared
+        return lm_head(hidden).float()
+
+
+def mtp_key_map(key: str) -> str | None:
+    """`mtp.<rest>` -> `<rest>`, the module's parameter name; any other key (the main model, vision) -> skipped."""
+    return key.removeprefix(MTP_PREFIX) if key.startswith(MTP_PREFIX) else None
+
+
+def load_mtp(
+    main: Qwen3_5ForConditionalGeneration,
+    model_dir: str | Path,
+    *,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    progress: bool = False,
+) -> tuple[Qwen3_5MTP, LoadReport]:
+    """The MTP module of the checkpoint in model_dir, on `device` in `dtype`, sharing `main`'s embedding and lm_head.
+
+    Raises WeightLoadError, before reading any tensor, naming every `mtp.*` key that fills no parameter or has the
+    wrong shape and every parameter no key fills (a checkpoint without an MTP module: all of them). The module comes
+    back in eval mode, without gradients.
+    """
+    with torch.device(device), default_dtype(dtype):
+        mtp = Qwen3_5MTP(main.config, main)
+    report = load_weights(mtp, model_dir, key_map=mtp_key_map, device=device, dtype=dtype, progress=progress)
+    mtp.eval().requires_grad_(False)
+    return mtp, report
