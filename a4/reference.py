@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 
 from a4.dtypes import resolve_dtype
+from a4.kernels import TRANSFORMERS_KERNEL_PACKAGES
 
-FORBIDDEN_KERNEL_PACKAGES = ("fla", "causal_conv1d")
 
 
 class ReferenceEnvironmentError(RuntimeError):
@@ -31,7 +31,7 @@ class ReferenceEnvironmentError(RuntimeError):
 
 
 def assert_reference_environment() -> None:
-    found = [name for name in FORBIDDEN_KERNEL_PACKAGES if importlib.util.find_spec(name) is not None]
+    found = [name for name in TRANSFORMERS_KERNEL_PACKAGES if importlib.util.find_spec(name) is not None]
     if found:
         raise ReferenceEnvironmentError(
             f"{', '.join(found)} importable: transformers would replace its PyTorch GDN/conv code with these kernels. "

@@ -48,6 +48,7 @@ from a4.bench import Unavailable
 from a4.bench._floor import ModelBytes, copy_bytes_per_second, gemm_flop_per_second
 from a4.bench._timing import device_seconds
 from a4.checkpoints import make_checkpoint
+from a4.kernels import TRANSFORMERS_KERNEL_PACKAGES
 
 DEFAULT_OUT_DIR = REPO_ROOT / "solutions" / "report"
 DTYPE_NAME = "bfloat16"
@@ -55,7 +56,6 @@ DTYPE = getattr(torch, DTYPE_NAME)
 GRAPHS = {"a4": True, "a4_no_graphs": False}  # the a4 systems and their `cuda_graphs`
 SYSTEMS = (*GRAPHS, "transformers", "transformers_fla")
 PARTS = ("floor", *SYSTEMS, "context")
-KERNEL_PACKAGES = ("fla", "causal_conv1d")  # what transformers would take instead of its torch Gated DeltaNet
 FLA_DISTRIBUTIONS = ("flash-linear-attention", "fla-core")
 MAX_PREFILL_TOKENS = 8192
 CONTEXT_SERIES = {"GDN layer": "gdn_layer_ms", "attention layer": "attention_layer_ms"}  # decode_context's names
@@ -180,7 +180,7 @@ def block_kernel_packages() -> None:
     the two ways transformers' releases look for these packages. It must come before transformers imports its
     Qwen3.5 model code, which picks its Gated DeltaNet functions once; `make_runner` checks that it did.
     """
-    for package in KERNEL_PACKAGES:
+    for package in TRANSFORMERS_KERNEL_PACKAGES:
         sys.modules[package] = None
 
 

@@ -8,11 +8,11 @@ its pool class there, not a branch at every site that builds something.
 
 from __future__ import annotations
 
-import importlib.util
 from typing import TYPE_CHECKING
 
 import torch
 
+from a4.kernels import triton_kernels_run_on
 from a4.kvcache.kv_pool import KVPool
 from a4.kvcache.radix_cache import BasePrefixCache, NoPrefixCache, RadixCache
 from a4.layers.attention import AttentionBackend, TorchAttnBackend, TritonAttnBackend
@@ -88,6 +88,6 @@ def create_prefix_cache(
 
 def create_attention_backend(device: torch.device) -> AttentionBackend:
     """Triton's paged decode kernel where CUDA and Triton are present (a4/kernels), torch's SDPA elsewhere."""
-    if device.type == "cuda" and importlib.util.find_spec("triton") is not None:
+    if triton_kernels_run_on(device):
         return TritonAttnBackend()
     return TorchAttnBackend()

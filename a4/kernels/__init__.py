@@ -8,3 +8,19 @@
 Triton and flash-linear-attention are GPU extras: nothing here is imported by `import a4.kernels`, so the CPU
 engine, its tests and the notebooks run without them. Import the module you need where CUDA is in use.
 """
+
+import importlib.util
+
+import torch
+
+# The kernel packages transformers takes, where they can be imported, instead of its own torch Gated DeltaNet and
+# conv code (flash-linear-attention is also a4's GPU prefill). a4.reference refuses to run beside them; `bench gpu`
+# and the GPU tests block them where transformers must run its own code. Named here, in a module that imports
+# neither, because importing a4.reference already checks for them.
+TRANSFORMERS_KERNEL_PACKAGES = ("fla", "causal_conv1d")
+
+
+def triton_kernels_run_on(device: torch.device) -> bool:
+    """Whether a4's Triton kernels can serve tensors on `device`: a CUDA device, with Triton installed (torch's CUDA
+    wheels bring it). Looks for the package without importing it."""
+    return device.type == "cuda" and importlib.util.find_spec("triton") is not None

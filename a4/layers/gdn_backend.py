@@ -15,12 +15,13 @@ A GDN layer reaches its memory as an attention layer does: through the step's co
 
 from __future__ import annotations
 
-import importlib.util
 from typing import TYPE_CHECKING
 
 import torch
 
 from a4.core import ForwardBatch
+from a4.kernels import triton_kernels_run_on
+from a4.kernels.fla_prefill import fla_available
 from a4.layers.deltanet import GatedDeltaNet
 
 if TYPE_CHECKING:
@@ -34,21 +35,9 @@ def gdn_forward(layer: GatedDeltaNet, hidden: torch.Tensor, fb: ForwardBatch, po
     if fb.graph_safe:
         return gdn_by_slot(layer, hidden, fb, conv_state, recurrent_state)
     # fla's kernels compute float32 products in TF32: a float32 model keeps notebook 04's exact arithmetic.
-    if fb.phase == "prefill" and hidden.is_cuda and hidden.dtype != torch.float32 and _fla_available():
+    if fb.phase == "prefill" and hidden.is_cuda and hidden.dtype != torch.float32 and fla_available():
         return gdn_by_slot(layer, hidden, fb, conv_state, recurrent_state)
     return layer(hidden, fb, conv_state, recurrent_state)
-
-
-def _triton_available() -> bool:
-    return importlib.util.find_spec("triton") is not None
-
-
-def _fla_available() -> bool:
-    if not _triton_available():
-        return False
-    from a4.kernels.fla_prefill import fla_available
-
-    return fla_available()
 
 
 def gdn_by_slot(
@@ -69,7 +58,7 @@ def gdn_by_slot(
     key_dim = layer.num_k_heads * layer.head_k_dim
     mixed_qkv = layer.in_proj_qkv(hidden)
     if fb.phase == "decode":
-        if hidden.is_cuda and _triton_available():
+        if triton_kernels_run_on(hidden.device):
             from a4.kernels import gdn_decode as ops
         else:
             from a4.layers import gdn_decode as ops
