@@ -189,7 +189,8 @@ class ForwardBatch:
         def tensor(values: list[int]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.int64, device=device)
 
-        positions = torch.cat([torch.arange(p, p + n, device=device) for p, n in zip(prefix_lens, extend_lens)])
+        # Built on the host and copied once: one small arange per request would be a launch per request on a GPU.
+        positions = tensor([pos for p, n in zip(prefix_lens, extend_lens) for pos in range(p, p + n)])
         seq_lens = [p + n for p, n in zip(prefix_lens, extend_lens)]
         slots_t = tensor(slots)
         decode = all(n == 1 for n in extend_lens) and all(p > 0 for p in prefix_lens)

@@ -63,10 +63,11 @@ class DecodeGraphRunner:
         self.buckets = batch_buckets(max_batch)
         self.padding_slot = padding_slot
         size = self.buckets[-1]
-        # The static inputs: copied into before each step, read by every replay.
-        self.input_ids = torch.zeros(size, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(size, dtype=torch.int64, device=device)
-        self.slots = torch.full((size,), padding_slot, dtype=torch.int64, device=device)
+        # The static inputs, copied into before each step and read by every replay: token ids, positions and slots,
+        # three rows of one buffer so that a step needs one host-to-device copy.
+        self._inputs = torch.zeros(3, size, dtype=torch.int64, device=device)
+        self.input_ids, self.positions, self.slots = self._inputs
+        self.slots.fill_(padding_slot)
         self._req_to_token, self._kv_pool, self._state_pool = req_to_token, kv_pool, state_pool
         self._attn_backend, self._max_seq_len = attn_backend, max_seq_len
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -125,15 +126,13 @@ class DecodeGraphRunner:
         """Logits [B, vocab] (float32) of one decode step: request i feeds input_ids[i] at positions[i] in slots[i]."""
         batch_size = len(input_ids)
         bucket = next(size for size in self.buckets if size >= batch_size)
-        # One host-to-device copy per buffer; the padded rows are reset because an earlier step may have used them.
-        for buffer, values, padding in (
-            (self.input_ids, input_ids, 0),
-            (self.positions, positions, 0),
-            (self.slots, slots, self.padding_slot),
-        ):
-            host = torch.full((bucket,), padding, dtype=torch.int64)
-            host[:batch_size] = torch.tensor(values, dtype=torch.int64)
-            buffer[:bucket].copy_(host)
+        # The padded rows are written too: an earlier, larger step may have left a request's values there.
+        padding = bucket - batch_size
+        host = torch.tensor(
+            [[*input_ids, *[0] * padding], [*positions, *[0] * padding], [*slots, *[self.padding_slot] * padding]],
+            dtype=torch.int64,
+        )
+        self._inputs[:, :bucket].copy_(host)
         if bucket in self.graphs:
             self.graphs[bucket].replay()
             logits = self.outputs[bucket]
