@@ -32,9 +32,9 @@ class ModelBytes:
 
     @staticmethod
     def of(model: torch.nn.Module, config: ModelConfig, dtype: torch.dtype) -> ModelBytes:
-        # Imported here: the StatePool is an exercise (notebook 05).
+        # Imported here: the engine's modules need the exercises only when called.
+        from a4.engine.factories import state_bytes_per_slot
         from a4.engine.memory_plan import MemoryLedger
-        from a4.kvcache.state_pool import StatePool
 
         params = dict(model.named_parameters())  # tied parameters come once
         return ModelBytes(
@@ -42,7 +42,7 @@ class ModelBytes:
             non_embedding_params=sum(
                 p.numel() for name, p in params.items() if not any(e in name for e in EMBEDDING_PARAMETERS)
             ),
-            state_bytes_per_request=StatePool.bytes_per_slot(config, dtype) if config.is_hybrid else 0,
+            state_bytes_per_request=state_bytes_per_slot(config, dtype),
             kv_bytes_per_token=MemoryLedger.from_config(config, dtype).kv_bytes_per_token,
         )
 
