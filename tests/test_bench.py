@@ -5,7 +5,9 @@ there, and that the benchmark's switch to the recurrence still prefills correctl
 """
 
 import json
+import math
 import os
+import statistics
 import subprocess
 import sys
 
@@ -16,8 +18,9 @@ import a4.__main__ as cli
 import a4.layers.deltanet as deltanet
 from a4 import LLM, SamplingParams
 from a4._overlay import REPO_ROOT
-from a4.bench import decode_context, engine, gpu, prefill
+from a4.bench import decode_context, engine, gpu, prefill, spec
 from a4.checkpoints import make_checkpoint
+from a4.course.checks.memory import figures
 from a4.reference import hf_greedy
 
 
@@ -97,6 +100,84 @@ def test_engine_fraction_of_floor_arithmetic():
     tokens_per_s = {"prefill": 100 / 0.040, "decode batch 1": 1 / 4.00448e-3, "decode batch 8": 2 / 2.00488e-3}
     fractions = engine.fraction_of_floor(tokens_per_s, floor, workload)
     assert fractions == pytest.approx({"prefill": 0.5, "decode batch 1": 0.25, "decode batch 8": 0.5})
+
+
+def test_spec_report_is_complete_and_consistent(tmp_path, capsys):
+    spec.main(quick=True, out_dir=tmp_path)
+    printed = capsys.readouterr().out
+    report = read_outputs(tmp_path, "spec")
+    workload = spec.Workload.quick()
+
+    # The MTP's acceptance on the held-out prompts: each request decodes all its tokens but the prefill's, gaining
+    # its accepted drafts plus the model's own token per step.
+    acceptance = report["mtp"]["acceptance"]
+    assert list(acceptance) == [str(k) for k in spec.SPECULATIVE_TOKENS]
+    for k, a in acceptance.items():
+        assert a["decode_tokens"] == len(workload.acceptance_lens) * (workload.acceptance_new_tokens - 1)
+        assert a["decode_tokens"] == a["decode_request_steps"] + a["accepted_draft_tokens"]
+        assert 0 <= a["acceptance_rate"] == a["accepted_draft_tokens"] / a["draft_tokens"] <= 1
+        assert 1 <= a["tokens_per_decode_step"] <= int(k) + 1
+
+    mtp_systems = [spec.NO_SPECULATION] + [f"k={k}" for k in spec.SPECULATIVE_TOKENS]
+    oracle_systems = [spec.NO_SPECULATION, *spec.ORACLE_SYSTEMS, spec.MTP_SYSTEM]
+    parts = ((report["mtp"], mtp_systems, workload.mtp_new_tokens),
+             (report["oracle"], oracle_systems, workload.oracle_new_tokens))  # fmt: skip
+    for part, names, new_tokens in parts:
+        assert [row["batch"] for row in part["decode"]] == list(spec.BATCHES)
+        for row in part["decode"]:
+            assert list(row["systems"]) == names
+            for name, result in row["systems"].items():
+                runs = result["runs"]
+                assert len(runs) == workload.repeats
+                assert all(run["decode_tokens"] == row["batch"] * (new_tokens - 1) for run in runs)
+                rates = [run["decode_tokens"] / run["decode_step_seconds"] for run in runs]
+                assert result["tokens_per_s"] == statistics.median(rates) > 0
+                # The speed-up is the ratio of the two rates measured side by side.
+                base = row["systems"][spec.NO_SPECULATION]["tokens_per_s"]
+                assert row["speedup"][name] == pytest.approx(result["tokens_per_s"] / base)
+                assert 0 <= result["acceptance_rate"] <= 1 and result["tokens_per_decode_step"] >= 1
+                assert f"{name:>18}" in printed
+            assert row["systems"][spec.NO_SPECULATION]["tokens_per_decode_step"] == 1
+
+    # The oracle forces its acceptance: wrong drafts are never accepted, right ones always (a request's last drafts
+    # are shorter, all right with 1 of 2 right: at least half accepted then).
+    for row in report["oracle"]["decode"]:
+        wrong, half, right = (row["systems"][name] for name in spec.ORACLE_SYSTEMS)
+        assert wrong["acceptance_rate"] == 0 and wrong["tokens_per_decode_step"] == 1
+        assert 0.5 <= half["acceptance_rate"] < 1
+        assert right["acceptance_rate"] == 1 and right["tokens_per_decode_step"] > half["tokens_per_decode_step"]
+
+    # The ledgers, against config.json's arithmetic: k + 1 GDN states per slot for the verify pass, and one more
+    # attention layer's KV (the MTP module's) per token; the requests that fit are the budget over their bytes.
+    memory = report["memory"]
+    model_dir = make_checkpoint(None, "qwen3_5", preset=workload.preset)
+    config = json.loads((model_dir / "config.json").read_text())
+    fig = figures(config, torch.bfloat16)
+    text = config["text_config"]
+    mtp_kv_bytes_per_token = 2 * text["num_key_value_heads"] * text["head_dim"] * 2
+    assert list(memory["ledgers"]) == ["0"] + [str(k) for k in spec.SPECULATIVE_TOKENS]
+    for k, ledger in memory["ledgers"].items():
+        k = int(k)
+        assert ledger["state_bytes_per_slot"] == fig.state_bytes_per_slot
+        assert ledger["verify_bytes_per_slot"] == ((k + 1) * fig.state_bytes_per_slot if k else 0)
+        assert ledger["bytes_per_slot"] == fig.slot_bytes + ledger["verify_bytes_per_slot"]
+        assert ledger["mtp_kv_bytes_per_token"] == (mtp_kv_bytes_per_token if k else 0)
+        assert ledger["kv_bytes_per_token"] == fig.kv_bytes_per_token + ledger["mtp_kv_bytes_per_token"]
+        assert ledger["mtp_weight_bytes"] == (2 * mtp_parameters(model_dir) if k else 0)
+        for context, requests in ledger["requests"].items():
+            cost = ledger["bytes_per_slot"] + int(context) * ledger["kv_bytes_per_token"]
+            assert requests == (memory["budget"]["bytes"] - ledger["mtp_weight_bytes"]) // cost
+
+
+def mtp_parameters(model_dir) -> int:
+    """Values of the checkpoint's `mtp.*` tensors, read from its safetensors files."""
+    from safetensors import safe_open
+
+    count = 0
+    for shard in model_dir.glob("*.safetensors"):
+        with safe_open(shard, "pt") as f:
+            count += sum(math.prod(f.get_slice(key).get_shape()) for key in f.keys() if key.startswith("mtp."))
+    return count
 
 
 GPU_WORKLOAD = gpu.Workload(

@@ -35,6 +35,7 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch.nn.attention import sdpa_kernel
@@ -100,7 +101,9 @@ class A4Runner:
         device: str = "cpu",
         max_running_requests: int = 8,
         cuda_graphs: bool | None = None,
+        **options: Any,
     ) -> None:
+        """`options`: more of LLM's options (`bench spec`: speculative_tokens and a drafter)."""
         from a4 import LLM
 
         # No prefix cache: the prefill runs repeat one prompt, which must be computed every time. cuda_graphs: None
@@ -113,6 +116,7 @@ class A4Runner:
             max_prefill_tokens=max_prefill_tokens,
             enable_prefix_cache=False,
             cuda_graphs=cuda_graphs,
+            **options,
         )
 
     def prefill(self, prompt: list[int]) -> None:
