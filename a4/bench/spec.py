@@ -17,11 +17,13 @@ Three parts:
   many requests of 4k and 32k tokens the pool budget of one H200 then holds (notebook 08's budget, less the MTP
   module's weights).
 
-Decode tokens/s of a run: the tokens the requests gained in decode steps over the wall time of those steps, each
-`Engine.step()` timed from outside (scheduling, drafting, the forward, verification and the commit). Every system runs
-once untimed, then `repeats` times, the systems of a part taking turns; the figure is the median of its runs, and a
-speed-up is the ratio of two such medians. Greedy, end of sequence ignored, prefix cache off. `--quick` runs every part
-on the tiny checkpoint, with few tokens.
+Decode tokens/s of a system: the tokens its requests gained per decode step (all its runs together) over its median
+decode step, each `Engine.step()` timed from outside (scheduling, drafting, the forward, verification and the commit),
+as `bench engine` times decode. Every system runs once untimed, then `repeats` times, the systems of a part taking
+turns; a speed-up is the ratio of two systems' tokens/s. The median step rather than a run's total time: a burst of
+load from other processes on a shared machine lengthens a few steps, not the figure (a step costs the same whatever
+the drafts accepted: each request always feeds k + 1 tokens). Greedy, end of sequence ignored, prefix cache off.
+`--quick` runs every part on the tiny checkpoint, with few tokens.
 
     python -m a4 bench spec [--quick] [--out DIR]
 """
@@ -90,14 +92,14 @@ class System:
 
 
 def decode_run(system: System, prompts: list[list[int]], new_tokens: int) -> dict:
-    """Generate new_tokens for each prompt; this run's engine counters and the wall time of its decode steps."""
+    """Generate new_tokens for each prompt; this run's engine counters and the wall time of each decode step."""
     engine = system.runner.llm.engine
     if system.drafter is not None:
         # One 0.8B engine serves several drafters, one per run: every run starts with a prefill, which the drafter
         # observes, so a drafter never sees another's requests.
         engine.drafter = system.drafter
     engine.stats = EngineStats()  # this run's counters only
-    seconds = sum(system.runner.decode_step_seconds(prompts, new_tokens))
+    seconds = system.runner.decode_step_seconds(prompts, new_tokens)
     return {**asdict(engine.stats), "decode_step_seconds": seconds}
 
 
@@ -107,8 +109,8 @@ def pooled(runs: list[dict]) -> EngineStats:
 
 
 def side_by_side(systems: dict[str, System], prompts: list[list[int]], new_tokens: int, repeats: int) -> dict:
-    """Decode tokens/s of each system (median of `repeats` runs, the systems taking turns), its acceptance and the
-    tokens a request gains per decode step (over all its runs), and each system's speed-up over no speculation."""
+    """Decode tokens/s of each system (`repeats` runs, the systems taking turns), its acceptance and the tokens a
+    request gains per decode step, over all its runs; each system's speed-up over no speculation."""
     for system in systems.values():
         decode_run(system, prompts, WARM_UP_TOKENS)  # first-call costs out of the figures, as in _timing
     runs: dict[str, list[dict]] = {name: [] for name in systems}
@@ -118,8 +120,9 @@ def side_by_side(systems: dict[str, System], prompts: list[list[int]], new_token
     results = {}
     for name, system_runs in runs.items():
         total = pooled(system_runs)
+        step_seconds = statistics.median(s for run in system_runs for s in run["decode_step_seconds"])
         results[name] = {
-            "tokens_per_s": statistics.median(r["decode_tokens"] / r["decode_step_seconds"] for r in system_runs),
+            "tokens_per_s": total.decode_tokens / total.decode_steps / step_seconds,
             "acceptance_rate": total.acceptance_rate,
             "tokens_per_decode_step": total.tokens_per_decode_step,
             "runs": system_runs,
@@ -250,7 +253,7 @@ def memory_part(workload: Workload) -> dict:
 
 
 def print_decode(part: dict, title: str) -> None:
-    print(f"\n{title}: decode tokens/s (median of the runs, systems taking turns)")
+    print(f"\n{title}: decode tokens/s (tokens per step / median step, systems taking turns)")
     print(f"{'batch':>5} {'system':>18} {'accepted':>9} {'tokens/step':>12} {'tokens/s':>10} {'vs no spec':>11}")
     for row in part["decode"]:
         for name, result in row["systems"].items():
@@ -379,8 +382,8 @@ def main(quick: bool = False, out_dir: Path | None = None) -> dict:
         "benchmark": "spec",
         "threads": threads,
         "workload": asdict(workload),
-        "statistic": "decode tokens/s: tokens gained in decode steps / their wall time, median of the runs after an "
-        "untimed one, the systems of a part taking turns",
+        "statistic": "decode tokens/s: tokens gained per decode step / the median decode step, over the runs after "
+        "an untimed one, the systems of a part taking turns",
     }
     report["mtp"] = mtp_part(workload)
     print_mtp(report["mtp"], threads, workload.acceptance_new_tokens)
