@@ -158,6 +158,9 @@ class ForwardBatch:
     # A decode step over static buffers (a4/engine/graph_runner.py), maybe being captured in a CUDA graph: layers
     # read only its tensors (the host lists would be frozen into the graph) and update states by slot, in place.
     graph_safe: bool = False
+    # The verify pass of speculative decoding (a4/speculative): the Gated DeltaNet layers leave the pool as it is
+    # and keep the state after every position here, until the engine commits the accepted length.
+    verify: VerifyStates | None = None
 
     @property
     def batch_size(self) -> int:
@@ -213,6 +216,32 @@ class ForwardBatch:
         )
         attn_backend.prepare(fb)
         return fb
+
+
+@dataclass
+class VerifyStates:
+    """The states a verify pass keeps (notebook 11): request i feeds its last token and its drafts, at most
+    `num_tokens` = k + 1 tokens, and every Gated DeltaNet layer records its states after each of them.
+
+    A KV cache rolls back by forgetting positions; a state cannot be cut, so the pass keeps them all and the engine
+    copies the one after the last accepted token into the request's slot (`commit_verified_states_`).
+    """
+
+    num_tokens: int  # L: tokens of the longest verify row (k + 1)
+    # [B, L] int64: the flat row of the step that holds request i's token j; T (one past the last row) where request
+    # i feeds fewer than j + 1 tokens. Layers compute those padded positions on a zero row and nobody commits them.
+    grid_rows: torch.Tensor
+    conv: dict[int, torch.Tensor] = field(default_factory=dict)  # pool layer -> [B, L, conv_dim, K-1]
+    recurrent: dict[int, torch.Tensor] = field(default_factory=dict)  # pool layer -> [B, L, Hv, dk, dv]
+
+    @classmethod
+    def for_lengths(cls, extend_lens: list[int], device: torch.device) -> VerifyStates:
+        num_tokens, padding_row = max(extend_lens), sum(extend_lens)
+        rows, start = [], 0
+        for n in extend_lens:
+            rows.append([start + j if j < n else padding_row for j in range(num_tokens)])
+            start += n
+        return cls(num_tokens, torch.tensor(rows, dtype=torch.int64, device=device))
 
 
 @dataclass(frozen=True)

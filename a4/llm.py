@@ -30,6 +30,7 @@ from typing import Any
 from a4.core import Output, Req, SamplingParams
 from a4.engine.engine import Engine, EngineConfig, EngineStats, check_sampling_params
 from a4.engine.memory_plan import MemoryLedger, MemoryPlan
+from a4.speculative.drafter import Drafter
 
 # What LLM(model_dir, **options) takes: every EngineConfig field but model_dir.
 OPTIONS = tuple(field.name for field in fields(EngineConfig) if field.name != "model_dir")
@@ -42,8 +43,11 @@ class LLM:
     signature above lists each with its default. An unknown option is a TypeError naming it and the valid ones.
     """
 
-    def __init__(self, model_dir: str | Path, **options: Any) -> None:
-        """Load the checkpoint in model_dir and plan the engine's memory; `options`: EngineConfig's fields."""
+    def __init__(self, model_dir: str | Path, *, drafter: Drafter | None = None, **options: Any) -> None:
+        """Load the checkpoint in model_dir and plan the engine's memory; `options`: EngineConfig's fields.
+
+        `drafter`: who drafts for speculative decoding (`speculative_tokens=k`) instead of the checkpoint's MTP module,
+        e.g. a4.speculative.drafter.OracleDrafter in tests and notebook 11."""
         for name in options:
             if name not in OPTIONS:
                 close = difflib.get_close_matches(name, OPTIONS, n=1)
@@ -52,7 +56,7 @@ class LLM:
                     f"LLM() got an unknown option {name!r}{hint}; the options are EngineConfig's fields: "
                     + ", ".join(OPTIONS)
                 )
-        self.engine = Engine(EngineConfig(model_dir, **options))
+        self.engine = Engine(EngineConfig(model_dir, **options), drafter=drafter)
 
     @property
     def memory_plan(self) -> MemoryPlan:
@@ -100,12 +104,14 @@ class LLM:
 
 
 def _init_signature() -> inspect.Signature:
-    """EngineConfig's fields as LLM.__init__'s parameters (model_dir, then keyword-only options), so that help(LLM),
-    inspect.signature and editors show every option with its default, though __init__ takes **options."""
+    """EngineConfig's fields as LLM.__init__'s parameters (model_dir, then keyword-only options, then the drafter), so
+    that help(LLM), inspect.signature and editors show every option with its default, though __init__ takes
+    **options."""
     model_dir, *options = inspect.signature(EngineConfig, eval_str=True).parameters.values()
     self = inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)
     keyword_only = [option.replace(kind=inspect.Parameter.KEYWORD_ONLY) for option in options]
-    return inspect.Signature([self, model_dir, *keyword_only], return_annotation=None)
+    drafter = inspect.Parameter("drafter", inspect.Parameter.KEYWORD_ONLY, default=None, annotation="Drafter | None")
+    return inspect.Signature([self, model_dir, *keyword_only, drafter], return_annotation=None)
 
 
 LLM.__init__.__signature__ = _init_signature()

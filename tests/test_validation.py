@@ -94,8 +94,8 @@ def test_llm_options_are_engine_config_fields_with_their_defaults(tiny_qwen3):
     parameters = list(inspect.signature(LLM).parameters.values())
     assert [(p.name, p.kind) for p in parameters] == [("model_dir", inspect.Parameter.POSITIONAL_OR_KEYWORD)] + [
         (field.name, inspect.Parameter.KEYWORD_ONLY) for field in ENGINE_CONFIG_OPTIONS
-    ]
-    assert [p.default for p in parameters[1:]] == [field.default for field in ENGINE_CONFIG_OPTIONS]
+    ] + [("drafter", inspect.Parameter.KEYWORD_ONLY)]
+    assert [p.default for p in parameters[1:]] == [field.default for field in ENGINE_CONFIG_OPTIONS] + [None]
     options = dict(dtype="bfloat16", max_running_requests=3, max_prefill_tokens=32, page_size=2,
                    enable_prefix_cache=False, memory_budget_bytes=2**24)
     assert LLM(tiny_qwen3, **options).engine.config == EngineConfig(tiny_qwen3, **options)

@@ -17,24 +17,36 @@ the state after exactly that position. So a hybrid model's prefix cache follows 
 (`create_prefix_cache`):
 "checkpoint" keeps copies of states on the radix tree and hits only where one is kept (notebook 07), their bytes set
 aside in the memory plan (`_checkpoint_bytes`); "refuse" never reuses a prefix.
+
+Speculative decoding (`speculative_tokens=k`, notebook 11, `_run_speculative_batch`): a decode step asks the drafter
+(a4/speculative/drafter.py: Qwen3.5's MTP module, or one given to the Engine) for up to k tokens per request, feeds
+each request its last token and its drafts in one forward, and keeps the drafts that greedy verification accepts
+plus the model's own next token. KV of rejected positions is simply overwritten later; GDN states cannot be cut, so
+the verify pass keeps the state after every position (`VerifyStates`) and the engine commits the one after the last
+token kept, before the scheduler books the step (and the prefix cache may checkpoint it). The draft's KV layer and
+the verify states are in the memory plan.
 """
 
 from __future__ import annotations
 
+import itertools
 import operator
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 
 import torch
 
-from a4.core import Batch, ForwardBatch, Req, SamplingParams
+from a4.core import Batch, ForwardBatch, Req, SamplingParams, VerifyStates
 from a4.dtypes import resolve_dtype
 from a4.engine.factories import (
+    MTP_KV_LAYERS,
+    check_mtp_drafts,
     create_attention_backend,
     create_kv_pool,
     create_prefix_cache,
@@ -51,6 +63,8 @@ from a4.models.registry import load_model, usable_device
 from a4.scheduler.cache import CacheManager
 from a4.scheduler.scheduler import Scheduler
 from a4.scheduler.table import TableManager
+from a4.speculative.drafter import Drafter, MTPDrafter
+from a4.speculative.verify import commit_verified_states_, greedy_accept
 
 # How the prefix cache serves a hybrid model: "checkpoint" (hits only where a copy of the state was saved, notebook
 # 07) or "refuse" (no hits at all: always correct, never faster).
@@ -80,6 +94,9 @@ class EngineConfig:
     # Decode steps as CUDA graphs (graph_runner.py). None: on where CUDA is. False on CUDA: the same static-buffer
     # runner, not captured. True on the CPU: that runner too (nothing to capture), the GPU's decode path run eagerly.
     cuda_graphs: bool | None = None
+    # Speculative decoding (a4/speculative, notebook 11): drafts per decode step, verified in one forward; 0: off.
+    # Qwen3.5 drafts with its checkpoint's MTP module unless the Engine is given another drafter. Greedy only.
+    speculative_tokens: int = 0
 
     def __post_init__(self) -> None:
         if not Path(self.model_dir).is_dir():
@@ -111,6 +128,8 @@ class EngineConfig:
         checkpoints = self.max_state_checkpoints
         if not _is_int(checkpoints) or checkpoints < 0:
             raise ValueError(f"max_state_checkpoints must be a non-negative integer, got {checkpoints!r}")
+        if not _is_int(self.speculative_tokens) or self.speculative_tokens < 0:
+            raise ValueError(f"speculative_tokens must be a non-negative integer, got {self.speculative_tokens!r}")
         if not (self.cuda_graphs is None or isinstance(self.cuda_graphs, bool)):
             raise ValueError(f"cuda_graphs must be True, False or None, got {self.cuda_graphs!r}")
 
@@ -168,6 +187,20 @@ class EngineStats:
     decode_tokens: int = 0
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
+    # Speculative decoding: decode steps counted per request, drafts verified, drafts accepted.
+    decode_request_steps: int = 0
+    draft_tokens: int = 0
+    accepted_draft_tokens: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Of the drafted tokens, the share greedy verification accepted."""
+        return self.accepted_draft_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+    @property
+    def tokens_per_decode_step(self) -> float:
+        """Tokens a request gains per decode step: 1 without speculation, up to k + 1 with it."""
+        return self.decode_tokens / self.decode_request_steps if self.decode_request_steps else 0.0
 
     @property
     def steps(self) -> int:
@@ -183,12 +216,21 @@ class EngineStats:
 
 
 class Engine:
-    def __init__(self, config: EngineConfig, *, progress: bool = False) -> None:
+    def __init__(self, config: EngineConfig, *, progress: bool = False, drafter: Drafter | None = None) -> None:
+        """`drafter`: what proposes the drafts of speculative decoding (config.speculative_tokens > 0); None: the
+        checkpoint's MTP module (Qwen3.5)."""
         self.config = config
         self.device = config.torch_device
         self.model_config, self.model, self.load_report = load_model(
             config.model_dir, dtype=config.torch_dtype, device=self.device, progress=progress
         )
+        speculative = config.speculative_tokens > 0
+        if drafter is not None and not speculative:
+            raise ValueError("a drafter was given but speculative_tokens is 0: set speculative_tokens=k to use it")
+        if speculative and drafter is None:
+            check_mtp_drafts(self.model_config)
+        # The MTP module's attention layer keeps its KV beside the main model's, in the same pool.
+        self.draft_kv_layers = 0 if not speculative else MTP_KV_LAYERS if drafter is None else drafter.kv_layers
         self.ledger, self.memory_plan = self._plan_memory()
         # The longest request (prompt + output) the engine can hold: what the model accepts, and what fits in the
         # pool on its own. Whole pages, because pages are recorded in the table whole.
@@ -203,14 +245,17 @@ class Engine:
             )
         # Decode over static buffers (graph_runner.py): always on CUDA, captured unless cuda_graphs=False; on the CPU
         # only when asked for with cuda_graphs=True (there is nothing to capture: CI runs the GPU's path that way).
+        # Speculative decode steps feed a varying number of drafts per request and run eagerly.
         on_cuda = self.device.type == "cuda"
         capture = on_cuda and config.cuda_graphs is not False
-        static_decode = on_cuda or config.cuda_graphs is True
+        static_decode = (on_cuda or config.cuda_graphs is True) and not speculative
         # Padded rows of a static batch need a slot and a KV page that no request owns: one of each beyond the plan
         # (SGLang keeps a padding slot likewise).
         padding = int(static_decode)
         plan, dtype = self.memory_plan, config.torch_dtype
-        self.kv_pool = create_kv_pool(self.model_config, plan.num_pages + padding, page_size, dtype, self.device)
+        self.kv_pool = create_kv_pool(
+            self.model_config, plan.num_pages + padding, page_size, dtype, self.device, self.draft_kv_layers
+        )
         num_slots = plan.max_running_requests + padding
         self.state_pool = create_state_pool(self.model_config, num_slots, dtype, self.device)
         self.attn_backend = create_attention_backend(self.device)
@@ -239,7 +284,18 @@ class Engine:
             self.cache_manager,
             max_prefill_tokens=config.max_prefill_tokens,
             eos_token_ids=self.model_config.eos_token_ids,
+            num_draft_tokens=config.speculative_tokens,
         )
+        if speculative and drafter is None:
+            drafter = MTPDrafter.load(
+                self.model,
+                config.model_dir,
+                num_slots=num_slots,
+                req_to_token=self.table_manager.req_to_token,
+                kv_pool=self.kv_pool,
+                attn_backend=self.attn_backend,
+            )
+        self.drafter = drafter
         self.sampler = Sampler(self.device)
         self.stats = EngineStats()
         self._next_uid = 0
@@ -260,7 +316,19 @@ class Engine:
                 f"state_fraction {config.state_fraction} applies to hybrid models only: "
                 f"{model_config.architecture} keeps no state per request"
             )
-        ledger = MemoryLedger.from_config(model_config, dtype, state_bytes_per_slot=state_bytes)
+        if config.speculative_tokens and config.state_fraction is not None:
+            raise ValueError(
+                "state_fraction cannot be combined with speculative_tokens: notebook 06's plan_hybrid_memory does not "
+                "count the verify states and the draft's KV; leave state_fraction=None (slots first)"
+            )
+        ledger = MemoryLedger.from_config(
+            model_config,
+            dtype,
+            state_bytes_per_slot=state_bytes,
+            draft_kv_layers=self.draft_kv_layers,
+            # A verify pass keeps the state after each of its k + 1 positions (notebook 11).
+            verify_bytes_per_slot=(config.speculative_tokens + 1) * state_bytes if config.speculative_tokens else 0,
+        )
         checkpoint_bytes = self._checkpoint_bytes(ledger)
         budget = config.memory_budget_bytes or default_budget_bytes(
             ledger,
@@ -284,7 +352,7 @@ class Engine:
             max_running_requests=config.max_running_requests,
         )
         if config.state_fraction is None:
-            memory_plan = plan_memory(model_config, state_bytes_per_slot=state_bytes, **split)
+            memory_plan = plan_memory(model_config, ledger=ledger, **split)
         else:
             # Imported only when a state share is asked for: it is an exercise (notebook 06), and slots first does
             # not need it.
@@ -308,6 +376,11 @@ class Engine:
         req = Req(uid=self._next_uid, input_ids=list(input_ids), sampling_params=sampling_params)
         self._next_uid += 1
         error = self._validate(req.input_ids)
+        if error is None and self.drafter is not None and sampling_params.temperature > 0:
+            error = (
+                f"temperature {sampling_params.temperature} with speculative decoding: this engine verifies drafts "
+                "greedily (temperature 0) only; build it with speculative_tokens=0 to sample"
+            )
         if error is not None:
             req.finished, req.finish_reason, req.error = True, "error", error
             return req
@@ -378,6 +451,8 @@ class Engine:
         start = time.perf_counter()
         if self.state_pool is not None:
             self.state_pool.clear_new_requests(batch.reqs)
+        if self.drafter is not None:
+            return self._run_speculative_batch(batch, start)
         if batch.phase == "decode" and self.graph_runner is not None:
             logits = self.graph_runner.forward(
                 input_ids=[req.all_ids[req.computed_len] for req in batch.reqs],
@@ -389,13 +464,91 @@ class Engine:
         sampled_reqs = [req for req, sampled in zip(batch.reqs, batch.sample) if sampled]
         samples = iter(self.sampler.sample(logits, sampled_reqs))
         next_tokens, errors = zip(*(next(samples) if sampled else (None, None) for sampled in batch.sample))
-        self._record(batch, time.perf_counter() - start)
+        self._record(batch, time.perf_counter() - start, len(batch.reqs))
+        return self._book(batch, next_tokens, errors)
+
+    def _book(self, batch: Batch, next_tokens: Sequence, errors: Sequence[str | None]) -> list[Req]:
         with _sigint_deferred():
             finished = self.scheduler.process_batch_output(batch, next_tokens, errors)
         for req in finished:
             self.sampler.remove_req(req)
             self.stats.cached_tokens += req.prefix_hit_len
         return finished
+
+    def _run_speculative_batch(self, batch: Batch, start: float) -> list[Req]:
+        """A step of a speculative engine (notebook 11). Prefill as usual; a decode step feeds every request its last
+        token and its drafts, keeps the drafts greedy verification accepts plus the model's own next token, and
+        commits the Gated DeltaNet states after the last token kept. Then the drafter catches up with what was
+        committed (`Drafter.observe`), which needs the final hidden state of every row, not only of the sampled ones.
+        """
+        reqs, extend_lens = batch.reqs, batch.extend_lens
+        verify = batch.phase == "decode"
+        if verify:
+            drafts = self.drafter.propose(reqs, [n - 1 for n in extend_lens])
+            input_ids = [t for req, d in zip(reqs, drafts) for t in (req.all_ids[req.computed_len], *d)]
+        else:
+            input_ids = [t for req, n in zip(reqs, extend_lens) for t in req.all_ids[req.computed_len :][:n]]
+        fb = self._forward_batch(batch, input_ids, sample_indices=list(range(len(input_ids))))
+        if verify:
+            fb.verify = VerifyStates.for_lengths(extend_lens, self.device)
+        hidden = self.model.model(fb)  # [T, hidden], final hidden states of every row
+        ends = list(itertools.accumulate(extend_lens))
+        if verify:
+            next_tokens, errors = self._accept(batch, fb, drafts, hidden)
+            committed = [len(tokens) for tokens in next_tokens]
+        else:
+            sampled_reqs = [req for req, sampled in zip(reqs, batch.sample) if sampled]
+            last_rows = [end - 1 for end, sampled in zip(ends, batch.sample) if sampled]
+            samples = iter(self.sampler.sample(self.model.lm_head(hidden[last_rows]).float(), sampled_reqs))
+            next_tokens, errors = zip(*(next(samples) if sampled else (None, None) for sampled in batch.sample))
+            committed = list(extend_lens)
+        finished = self._book(batch, next_tokens, errors)
+        going_on = [i for i, req in enumerate(reqs) if not req.finished]
+        if going_on:
+            # A request's committed positions are the first rows of its block.
+            starts = [end - n for end, n in zip(ends, extend_lens)]
+            rows = [row for i in going_on for row in range(starts[i], starts[i] + committed[i])]
+            self.drafter.observe([reqs[i] for i in going_on], [committed[i] for i in going_on], hidden[rows])
+        tokens = sum(committed) if verify else len(reqs)
+        self._record(batch, time.perf_counter() - start, tokens)
+        return finished
+
+    def _accept(
+        self, batch: Batch, fb: ForwardBatch, drafts: list[list[int]], hidden: torch.Tensor
+    ) -> tuple[list[list[int]], list[str | None]]:
+        """Greedy verification: each request keeps the drafts that agree with the model's own tokens, then the
+        model's token after them, cut at a token that finishes it; its GDN states are set to those after the last
+        token kept (`commit_verified_states_`)."""
+        reqs, extend_lens = batch.reqs, batch.extend_lens
+        row_reqs = [req for req, n in zip(reqs, extend_lens) for _ in range(n)]
+        samples = self.sampler.sample(self.model.lm_head(hidden).float(), row_reqs)
+        width = max(extend_lens)
+        targets, errors, start = [], [], 0
+        for n in extend_lens:
+            mine = samples[start : start + n]
+            start += n
+            errors.append(next((s.error for s in mine if s.error is not None), None))
+            targets.append([s.token if s.token is not None else -1 for s in mine] + [-1] * (width - n))
+        draft_ids = [d + [-1] * (width - 1 - len(d)) for d in drafts]
+        as_tensor = partial(torch.tensor, dtype=torch.int64, device=self.device)
+        accepted = greedy_accept(as_tensor(draft_ids), as_tensor(targets)).tolist()
+        next_tokens = [
+            self.scheduler.keep_tokens(req, d[:a] + [t[a]]) for req, d, t, a in zip(reqs, drafts, targets, accepted)
+        ]
+        self.stats.draft_tokens += sum(len(d) for d in drafts)
+        self.stats.accepted_draft_tokens += sum(accepted)
+        if self.state_pool is not None:
+            kept_lens = as_tensor([len(tokens) for tokens in next_tokens])  # at least the model's own token
+            for layer in fb.verify.conv:
+                commit_verified_states_(
+                    self.state_pool.conv_state(layer),
+                    self.state_pool.recurrent_state(layer),
+                    fb.verify.conv[layer],
+                    fb.verify.recurrent[layer],
+                    fb.slots,
+                    kept_lens,
+                )
+        return next_tokens, errors
 
     def abort_req(self, req: Req, error: str | None = None) -> None:
         """Stop an unfinished request wherever it is (finish_reason "abort"); its slot, pages and lock are freed and
@@ -404,14 +557,20 @@ class Engine:
             self.scheduler.abort_req(req, "abort", error)
             self.sampler.remove_req(req)
 
-    def _forward_batch(self, batch: Batch) -> ForwardBatch:
-        """The step's context: its new tokens in one flat row, where their KV goes, and each request's slot."""
-        input_ids, sample_indices = [], []
-        for req, extend_len, sampled in zip(batch.reqs, batch.extend_lens, batch.sample):
-            input_ids += req.all_ids[req.computed_len : req.computed_len + extend_len]
-            if sampled:
-                # The logits of a request's last fed token predict its next token.
-                sample_indices.append(len(input_ids) - 1)
+    def _forward_batch(
+        self, batch: Batch, input_ids: list[int] | None = None, sample_indices: list[int] | None = None
+    ) -> ForwardBatch:
+        """The step's context: its new tokens in one flat row, where their KV goes, and each request's slot.
+
+        By default the tokens are the requests' next ones and the rows sampled are the last of each sampled request;
+        a verify step passes its drafts and every row."""
+        if input_ids is None:
+            input_ids, sample_indices = [], []
+            for req, extend_len, sampled in zip(batch.reqs, batch.extend_lens, batch.sample):
+                input_ids += req.all_ids[req.computed_len : req.computed_len + extend_len]
+                if sampled:
+                    # The logits of a request's last fed token predict its next token.
+                    sample_indices.append(len(input_ids) - 1)
         return ForwardBatch.build(
             input_ids=input_ids,
             slots=[req.slot for req in batch.reqs],
@@ -424,7 +583,8 @@ class Engine:
             attn_backend=self.attn_backend,
         )
 
-    def _record(self, batch: Batch, seconds: float) -> None:
+    def _record(self, batch: Batch, seconds: float, decode_tokens: int) -> None:
+        """Count the step; `decode_tokens`: what a decode step's requests gained (more than one each with drafts)."""
         stats = self.stats
         if batch.phase == "prefill":
             stats.prefill_steps += 1
@@ -432,7 +592,8 @@ class Engine:
             stats.prefill_seconds += seconds
         else:
             stats.decode_steps += 1
-            stats.decode_tokens += len(batch.reqs)
+            stats.decode_request_steps += len(batch.reqs)
+            stats.decode_tokens += decode_tokens
             stats.decode_seconds += seconds
 
     def run(self, reqs: list[Req]) -> None:

@@ -48,11 +48,17 @@ def create_state_pool(
 
 
 def create_kv_pool(
-    model_config: ModelConfig, num_pages: int, page_size: int, dtype: torch.dtype, device: torch.device
+    model_config: ModelConfig,
+    num_pages: int,
+    page_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    draft_kv_layers: int = 0,
 ) -> KVPool:
-    """KV pages for the full-attention layers only: GDN layers keep no KV."""
+    """KV pages for the full-attention layers only (GDN layers keep no KV), then a draft model's attention layers
+    (speculative decoding's MTP module), which share the main model's pages and locations."""
     return KVPool(
-        num_layers=len(model_config.full_attention_layers),
+        num_layers=len(model_config.full_attention_layers) + draft_kv_layers,
         num_pages=num_pages,
         page_size=page_size,
         num_kv_heads=model_config.num_key_value_heads,
@@ -60,6 +66,24 @@ def create_kv_pool(
         dtype=dtype,
         device=device,
     )
+
+
+# The MTP module of a Qwen3.5 checkpoint has one decoder layer (a4/models/qwen3_5_mtp.py): one more KV layer.
+MTP_KV_LAYERS = 1
+
+
+def check_mtp_drafts(model_config: ModelConfig) -> None:
+    """Raise ValueError unless the model's checkpoint carries an MTP module a4 can draft with (dense Qwen3.5)."""
+    if not model_config.is_hybrid:
+        raise ValueError(
+            f"speculative_tokens needs a draft: {model_config.architecture} checkpoints have no MTP module (only "
+            "Qwen3.5's do); give the Engine a drafter (a4.speculative.drafter) or set speculative_tokens=0"
+        )
+    if model_config.is_moe:
+        raise ValueError(
+            "speculative_tokens with a Qwen3.5-MoE checkpoint: a4 does not load its MTP module (its layer stores the "
+            "experts one by one); set speculative_tokens=0"
+        )
 
 
 def keeps_state_checkpoints(config: EngineConfig, model_config: ModelConfig) -> bool:

@@ -43,23 +43,36 @@ class MemoryLedger:
     kv_bytes_per_token: int
     table_bytes_per_slot: int
     state_bytes_per_slot: int = 0
+    # Speculative decoding (a4/speculative): the states a slot's verify pass keeps, k + 1 of its state (0 without).
+    verify_bytes_per_slot: int = 0
 
     @classmethod
-    def from_config(cls, config: ModelConfig, dtype: torch.dtype, *, state_bytes_per_slot: int = 0) -> MemoryLedger:
+    def from_config(
+        cls,
+        config: ModelConfig,
+        dtype: torch.dtype,
+        *,
+        state_bytes_per_slot: int = 0,
+        draft_kv_layers: int = 0,
+        verify_bytes_per_slot: int = 0,
+    ) -> MemoryLedger:
+        """`draft_kv_layers`: attention layers of a draft model (Qwen3.5's MTP module: one) that keep KV in the same
+        pool, with the main model's KV heads and head size."""
         element_bytes = torch.empty((), dtype=dtype).element_size()
-        kv_layers = len(config.full_attention_layers)
+        kv_layers = len(config.full_attention_layers) + draft_kv_layers
         return cls(
             # K and V, for each KV head of each layer that keeps a KV cache.
             kv_bytes_per_token=2 * kv_layers * config.num_key_value_heads * config.head_dim * element_bytes,
             # A row spans the longest context the model accepts (the engine may use fewer entries).
             table_bytes_per_slot=config.max_position_embeddings * TABLE_ENTRY_BYTES,
             state_bytes_per_slot=state_bytes_per_slot,
+            verify_bytes_per_slot=verify_bytes_per_slot,
         )
 
     @property
     def bytes_per_slot(self) -> int:
         """Fixed cost of one request slot, whatever the request's length."""
-        return self.table_bytes_per_slot + self.state_bytes_per_slot
+        return self.table_bytes_per_slot + self.state_bytes_per_slot + self.verify_bytes_per_slot
 
     def bytes_per_request(self, num_tokens: int) -> int:
         """What one request of num_tokens tokens costs: its slot plus the KV of its tokens."""
@@ -100,7 +113,9 @@ class MemoryPlan:
             f"budget            {_mib(self.budget_bytes)}",
             f"KV per token      {ledger.kv_bytes_per_token:,} B",
             f"per request slot  {ledger.bytes_per_slot:,} B (table row {ledger.table_bytes_per_slot:,} B"
-            f" + state {ledger.state_bytes_per_slot:,} B)",
+            f" + state {ledger.state_bytes_per_slot:,} B"
+            + (f" + verify states {ledger.verify_bytes_per_slot:,} B" if ledger.verify_bytes_per_slot else "")
+            + ")",
         ]
         if self.checkpoint_bytes:
             # Listed first: set aside before the slots and pages share the rest.
@@ -122,6 +137,7 @@ def plan_memory(
     dtype: torch.dtype,
     max_running_requests: int,
     state_bytes_per_slot: int = 0,
+    ledger: MemoryLedger | None = None,
 ) -> MemoryPlan:
     """One full-length request's KV, then request slots (as many as asked, or as many as fit), then KV pages.
 
@@ -131,13 +147,16 @@ def plan_memory(
     becomes KV pages. Had the slots come first beside a single page, a budget a little larger could buy one slot
     more out of the KV pool and shorten the context of every request: more memory, a worse engine. In this order a
     larger budget never gives fewer slots or a shorter context.
+
+    `ledger` replaces the one built from the config and `state_bytes_per_slot` (the engine's, which may count a draft
+    model's KV and the verify states of speculative decoding).
     """
     if budget_bytes <= 0 or page_size <= 0 or max_running_requests <= 0:
         raise ValueError(
             "plan_memory needs positive budget_bytes, page_size and max_running_requests, "
             f"got {budget_bytes}, {page_size} and {max_running_requests}"
         )
-    ledger = MemoryLedger.from_config(config, dtype, state_bytes_per_slot=state_bytes_per_slot)
+    ledger = ledger or MemoryLedger.from_config(config, dtype, state_bytes_per_slot=state_bytes_per_slot)
     page_bytes = page_size * ledger.kv_bytes_per_token
     if budget_bytes < ledger.bytes_per_slot + page_bytes:
         raise MemoryPlanError(

@@ -1,4 +1,9 @@
-"""DecodeManager: the requests whose prompt is done; each decode step feeds every one of them its last token."""
+"""DecodeManager: the requests whose prompt is done; each decode step feeds every one of them its last token.
+
+With speculative decoding (`num_draft_tokens` k > 0) a request also feeds up to k drafts after its last token, all
+verified in the same step; never more than it may still generate less one, so that what it writes stays within the
+KV reserved for it at admission (prompt + max_new_tokens - 1 positions).
+"""
 
 from __future__ import annotations
 
@@ -11,6 +16,7 @@ from a4.scheduler.cache import CacheManager
 @dataclass
 class DecodeManager:
     cache_manager: CacheManager
+    num_draft_tokens: int = 0
     # In the order their prefill finished (a list, not a set, so that batches are reproducible).
     running: list[Req] = field(default_factory=list)
 
@@ -30,8 +36,12 @@ class DecodeManager:
     def schedule_next_batch(self) -> Batch | None:
         if not self.running:
             return None
-        n = len(self.running)
-        return Batch(reqs=list(self.running), phase="decode", extend_lens=[1] * n, sample=[True] * n)
+        extend_lens = [1 + min(self.num_draft_tokens, self._tokens_left(req) - 1) for req in self.running]
+        return Batch(reqs=list(self.running), phase="decode", extend_lens=extend_lens, sample=[True] * len(extend_lens))
+
+    @staticmethod
+    def _tokens_left(req: Req) -> int:
+        return req.sampling_params.max_new_tokens - len(req.output_ids)
 
     @property
     def runnable(self) -> bool:

@@ -29,6 +29,7 @@ class Scheduler:
         *,
         max_prefill_tokens: int,
         eos_token_ids: Sequence[int],
+        num_draft_tokens: int = 0,
     ) -> None:
         if max_prefill_tokens <= 0:
             raise ValueError(f"max_prefill_tokens must be positive, got {max_prefill_tokens}")
@@ -37,7 +38,7 @@ class Scheduler:
         self.max_prefill_tokens = max_prefill_tokens
         self.eos_token_ids = frozenset(eos_token_ids)
         self.prefill_manager = PrefillManager(cache_manager, table_manager)
-        self.decode_manager = DecodeManager(cache_manager)
+        self.decode_manager = DecodeManager(cache_manager, num_draft_tokens)
 
     def add_req(self, req: Req) -> None:
         """Queue a validated request (see Engine.add_request) for prefill."""
@@ -63,24 +64,32 @@ class Scheduler:
         return batch
 
     def process_batch_output(
-        self, batch: Batch, next_tokens: Sequence[int | None], errors: Sequence[str | None] | None = None
+        self,
+        batch: Batch,
+        next_tokens: Sequence[int | Sequence[int] | None],
+        errors: Sequence[str | None] | None = None,
     ) -> list[Req]:
         """Book a finished forward: tokens now in the pool, sampled tokens (None where not sampled), finishes.
 
-        A request with an error (its logits could not be sampled) finishes alone with finish_reason "error", and
-        nothing of this step's forward for it enters the prefix cache. Returns the requests that finished.
+        A decode step of speculative decoding gives each request a list of tokens: the drafts it accepted and the
+        model's own next token. Each token kept commits one more fed position; the list is cut after a token that
+        finishes the request (`keep_tokens`). A request with an error (its logits could not be sampled) finishes
+        alone with finish_reason "error", and nothing of this step's forward for it enters the prefix cache. Returns
+        the requests that finished.
         """
         errors = errors or [None] * len(batch.reqs)
         if batch.phase == "prefill":
             self.prefill_manager.book(batch)
         finished = []
-        for req, extend_len, token, error in zip(batch.reqs, batch.extend_lens, next_tokens, errors):
+        for req, extend_len, tokens, error in zip(batch.reqs, batch.extend_lens, next_tokens, errors):
             if error is not None:
                 self.abort_req(req, "error", error)
                 finished.append(req)
                 continue
-            req.computed_len += extend_len
-            if token is not None:
+            tokens = self.keep_tokens(req, [] if tokens is None else [tokens] if isinstance(tokens, int) else tokens)
+            # A decode step's positions are committed one per token kept (the rest were rejected drafts).
+            req.computed_len += extend_len if batch.phase == "prefill" else len(tokens)
+            for token in tokens:
                 req.output_ids.append(token)
                 req.finish_reason = self._finish_reason(req, token)
             # Share what this step wrote at once: a later request with the same prefix (even one arriving while this
@@ -91,9 +100,18 @@ class Scheduler:
             if req.finish_reason is not None:
                 self._release(req)
                 finished.append(req)
-            elif batch.phase == "prefill" and token is not None:
+            elif batch.phase == "prefill" and tokens:
                 self.decode_manager.add_req(req)
         return finished
+
+    def keep_tokens(self, req: Req, tokens: Sequence[int]) -> list[int]:
+        """The tokens req keeps of those offered in order: all of them, or up to the first that finishes it."""
+        kept = []
+        for token in tokens:
+            kept.append(token)
+            if self._finish_reason(req, token, len(req.output_ids) + len(kept)) is not None:
+                break
+        return kept
 
     def abort_req(self, req: Req, reason: str = "abort", error: str | None = None) -> None:
         """Take an unfinished request out wherever it is, with everything it holds, and caching nothing of it.
@@ -109,10 +127,11 @@ class Scheduler:
         req.finish_reason, req.error = reason, error
         self._release(req)
 
-    def _finish_reason(self, req: Req, token: int) -> str | None:
+    def _finish_reason(self, req: Req, token: int, num_output: int | None = None) -> str | None:
+        """Why req finishes at `token`, its `num_output`-th output token (default: the tokens it has now)."""
         if token in self.eos_token_ids and not req.sampling_params.ignore_eos:
             return "eos"
-        if len(req.output_ids) >= req.sampling_params.max_new_tokens:
+        if (len(req.output_ids) if num_output is None else num_output) >= req.sampling_params.max_new_tokens:
             return "length"
         return None
 
