@@ -83,7 +83,7 @@ def accepted_naively(drafts: list[list[int]], targets: list[list[int]]) -> list[
     for draft, target in zip(drafts, targets):
         a = 0
         for d, t in zip(draft, target):
-            if d != t:
+            if d != t or d == -1:
                 break
             a += 1
         accepted.append(a)
@@ -96,15 +96,16 @@ def test_greedy_accept_is_the_longest_agreeing_prefix(k):
     targets = torch.randint(0, 3, (50, k + 1), generator=generator)
     drafts = torch.where(torch.rand(50, k, generator=generator) < 0.25, (targets[:, :-1] + 1) % 3, targets[:, :-1])
     drafts[::7, k // 2 :] = -1  # requests that drafted fewer tokens, padded
+    targets[::7, k // 2 + 1 :] = -1  # and their targets too, as the engine pads them
     accepted = greedy_accept(drafts, targets)
     assert accepted.dtype == torch.int64
     assert accepted.tolist() == accepted_naively(drafts.tolist(), targets.tolist())
 
 
 def test_greedy_accept_extremes():
-    targets = torch.tensor([[5, 6, 7, 8], [5, 6, 7, 8], [5, 6, 7, 8]])
-    drafts = torch.tensor([[5, 6, 7], [1, 6, 7], [5, -1, -1]])
-    assert greedy_accept(drafts, targets).tolist() == [3, 0, 1]
+    targets = torch.tensor([[5, 6, 7, 8], [5, 6, 7, 8], [5, 6, 7, 8], [5, 6, -1, -1]])
+    drafts = torch.tensor([[5, 6, 7], [1, 6, 7], [5, -1, -1], [5, -1, -1]])  # the engine pads both rows with -1
+    assert greedy_accept(drafts, targets).tolist() == [3, 0, 1, 1]
 
 
 def test_greedy_accept_rejects_mismatched_shapes():

@@ -64,8 +64,9 @@ def greedy_accept(draft_ids: torch.Tensor, target_ids: torch.Tensor) -> torch.Te
     """How many drafted tokens each request accepts under greedy verification.
 
     draft_ids: [B, k] int64, the drafted tokens; a request drafting fewer than k pads its row with -1 after its own
-    drafts (-1 matches no token). target_ids: [B, k+1] int64, the main model's greedy token after each verify
-    position: position 0 fed the last committed token, position j >= 1 fed draft_ids[:, j-1].
+    drafts. target_ids: [B, k+1] int64, the main model's greedy token after each verify position: position 0 fed the
+    last committed token, position j >= 1 fed draft_ids[:, j-1]; -1 where there is none (a padded position). A -1
+    draft is never accepted, whatever target_ids holds there.
 
     Returns accepted [B] int64: accepted[i] is the largest a with draft_ids[i, :a] == target_ids[i, :a] (the drafts
     agree with the model up to there). The request gains a + 1 tokens: draft_ids[i, :a], then target_ids[i, a],

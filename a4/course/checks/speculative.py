@@ -76,7 +76,7 @@ def accepted_by_loop(draft_ids: torch.Tensor, target_ids: torch.Tensor) -> list[
     accepted = []
     for drafts, targets in zip(draft_ids.tolist(), target_ids.tolist()):
         a = 0
-        while a < len(drafts) and drafts[a] == targets[a]:
+        while a < len(drafts) and drafts[a] == targets[a] and drafts[a] != -1:
             a += 1
         accepted.append(a)
     return accepted
@@ -188,6 +188,7 @@ ACCEPT_CASES = {
     "the last draft wrong": ([[4, 5, 9]], [[4, 5, 6, 7]]),
     "padded with -1 after 1 draft": ([[4, -1, -1]], [[4, 5, 6, 7]]),
     "padded with -1, its one draft wrong": ([[8, -1, -1]], [[4, 5, 6, 7]]),
+    "padded drafts against padded targets (-1 is never accepted)": ([[4, -1, -1]], [[4, 5, -1, -1]]),
     "k = 1": ([[3], [2]], [[3, 1], [3, 1]]),
     "k = 0 (no draft)": ([[], []], [[3], [0]]),
 }

@@ -84,8 +84,9 @@ def greedy_accept(draft_ids: torch.Tensor, target_ids: torch.Tensor) -> torch.Te
     """How many drafted tokens each request accepts under greedy verification.
 
     draft_ids: [B, k] int64, the drafted tokens; a request drafting fewer than k pads its row with -1 after its own
-    drafts (-1 matches no token). target_ids: [B, k+1] int64, the main model's greedy token after each verify
-    position: position 0 fed the last committed token, position j >= 1 fed draft_ids[:, j-1].
+    drafts. target_ids: [B, k+1] int64, the main model's greedy token after each verify position: position 0 fed the
+    last committed token, position j >= 1 fed draft_ids[:, j-1]; -1 where there is none (a padded position). A -1
+    draft is never accepted, whatever target_ids holds there.
 
     Returns accepted [B] int64: accepted[i] is the largest a with draft_ids[i, :a] == target_ids[i, :a] (the drafts
     agree with the model up to there). The request gains a + 1 tokens: draft_ids[i, :a], then target_ids[i, a],
@@ -97,7 +98,7 @@ def greedy_accept(draft_ids: torch.Tensor, target_ids: torch.Tensor) -> torch.Te
             f"{tuple(target_ids.shape)}"
         )
     # BEGIN SOLUTION spec-greedy-accept 11_speculative: how long a prefix of each draft the model agrees with
-    agrees = (draft_ids == target_ids[:, :-1]).long()  # [B, k]
+    agrees = ((draft_ids == target_ids[:, :-1]) & (draft_ids >= 0)).long()  # [B, k]; padding never agrees
     # A running product is 1 up to the first disagreement and 0 from there: its sum is the accepted length.
     return agrees.cumprod(dim=1).sum(dim=1)
     # END SOLUTION
