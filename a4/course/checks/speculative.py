@@ -10,6 +10,10 @@ Ground truths:
   from the pool row; the truth continues from the state after exactly the kept tokens, computed token by token. A
   commit one position too far or too short gives a state that looks like any other and a continuation that is
   silently wrong: the check names it.
+- the engine: speculative greedy decoding of the tiny Qwen3.5 (`LLM(..., speculative_tokens=k)`, which calls the
+  student's `greedy_accept` and `commit_verified_states_`) against transformers' greedy `generate`, token by token,
+  with an oracle drafter forcing every acceptance pattern (drafts right for their first j tokens, j = 0..k); the
+  drafts accepted against the length of the drafts' right prefixes, counted here as the drafter proposes them.
 
 Every function runs as many tensor operations for 4 requests as for 1: no Python loop over the requests (the
 recurrence walks the L verify positions, which is the same for any batch).
@@ -23,10 +27,15 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from a4.core import SamplingParams
 from a4.course.checks import conclude
+from a4.course.checks._earlier import ENGINE, after_notebooks
 from a4.course.checks._harness import DTYPES, compare, compare_dtype, randn, shape_problems, tolerance
 from a4.course.checks.deltanet import CONV_KERNELS, DK, DV, HEADS, delta_rule_inputs, delta_rule_tolerance
 from a4.course.checks.gpu import aten_ops, gdn_shapes, transformers_conv, transformers_rule
+from a4.course.checks.state_pool import MAX_NEW_TOKENS, read_config, reference_tokens, shared_prompts, text_config
+from a4.course.checks.state_pool import token_problems
+from a4.speculative.drafter import OracleDrafter
 
 # Verify lengths L = k + 1: no draft, fewer tokens than a conv state holds (K - 1 = 3 for kernel 4), more.
 VERIFY_LENS = (1, 2, 5)
@@ -461,3 +470,67 @@ def check_poisoned_state(conv_verify: Callable, rule_verify: Callable, commit: C
                       f"{kept - 1}")
     conclude(problems, "after the commit, every request continues exactly as from its state after its kept tokens",
              likely)
+
+
+# ------------------------------------------------------------------------------------------------------ the engine
+
+# Drafts per decode step of the engine checks; every acceptance length 0..ENGINE_K is forced in turn.
+ENGINE_K = 3
+# The engine of the checks: fewer slots than prompts (slots reused), prompts longer than a prefill chunk.
+ENGINE_OPTIONS = {"max_running_requests": 3, "max_prefill_tokens": 64}
+
+
+class CountingOracle(OracleDrafter):
+    """OracleDrafter that counts, as it proposes, how many of its drafts' leading tokens are the true ones: what
+    greedy verification must accept (the model's tokens are the true ones, if the engine is right)."""
+
+    def __init__(self, continuations: dict[tuple[int, ...], list[int]], correct: int, vocab_size: int) -> None:
+        super().__init__(continuations, correct, vocab_size)
+        self.drafted = 0
+        self.right_prefixes = 0
+
+    def propose(self, reqs, num_drafts):
+        drafts = super().propose(reqs, num_drafts)
+        for req, draft in zip(reqs, drafts):
+            truth = self.continuations[tuple(req.input_ids)][len(req.output_ids) :]
+            self.drafted += len(draft)
+            self.right_prefixes += next((i for i, (d, t) in enumerate(zip(draft, truth)) if d != t),
+                                        min(len(draft), len(truth)))
+        return drafts
+
+
+def speculative_run(checkpoint: str | Path, k: int, drafter: OracleDrafter | None = None):
+    """The checks' prompts through an engine drafting k tokens per step (with `drafter`, or the checkpoint's MTP
+    module): (outputs, the engine's stats)."""
+    from a4.llm import LLM
+
+    llm = LLM(checkpoint, speculative_tokens=k, drafter=drafter, **ENGINE_OPTIONS)
+    outputs = llm.generate(shared_prompts(checkpoint), SamplingParams(max_new_tokens=MAX_NEW_TOKENS))
+    return outputs, llm.stats
+
+
+def counting_oracle(checkpoint: str | Path, correct: int) -> CountingOracle:
+    """Drafts of transformers' greedy continuations of the checks' prompts, right for their first `correct` tokens."""
+    prompts, expected = shared_prompts(checkpoint), reference_tokens(checkpoint)
+    vocab = text_config(read_config(checkpoint))["vocab_size"]
+    return CountingOracle({tuple(p): out for p, out in zip(prompts, expected)}, correct, vocab)
+
+
+@after_notebooks(*ENGINE, "05")
+def check_speculative_greedy(checkpoint: str | Path, k: int = ENGINE_K) -> None:
+    """For every acceptance length j = 0..k: drafts right for their first j tokens, and the engine's tokens equal to
+    transformers' greedy ones, token by token (prompts of 1 to 300 tokens through 3 slots, chunked prefill); the
+    engine accepted exactly the drafts' right prefixes."""
+    prompts, expected = shared_prompts(checkpoint), reference_tokens(checkpoint)
+    problems, seen = [], []
+    for correct in range(k + 1):
+        label = f"k = {k}, drafts right for their first {correct} token(s)"
+        drafter = counting_oracle(checkpoint, correct)
+        outputs, stats = speculative_run(checkpoint, k, drafter)
+        problems += token_problems(label, outputs, prompts, expected)
+        if stats.accepted_draft_tokens != drafter.right_prefixes:
+            problems.append(f"{label}: the engine accepted {stats.accepted_draft_tokens} of {drafter.drafted} drafted "
+                            f"tokens; their right prefixes hold {drafter.right_prefixes} (greedy_accept?)")
+        seen.append(f"j = {correct}: {stats.acceptance_rate:.0%} accepted, {stats.tokens_per_decode_step:.2f} "
+                    "tokens per step")
+    conclude(problems, f"every acceptance length gives transformers' tokens ({'; '.join(seen)})")
