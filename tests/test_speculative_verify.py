@@ -27,23 +27,18 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def naive_conv(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor):
-    """Notebook 04's decode conv, one verify position at a time: (y [B, L, D], states after each [B, L, D, K-1])."""
-    ys, states = [], []
-    for j in range(x.shape[1]):
-        y, conv_state = causal_conv1d_decode(x[:, j], weight, conv_state)
-        ys.append(y)
-        states.append(conv_state)
-    return torch.stack(ys, 1), torch.stack(states, 1)
+    """Notebook 04's decode conv at every verify position: (y [B, L, D], the states after each [B, L, D, K-1])."""
+    return checks.position_by_position(lambda x_j, state: causal_conv1d_decode(x_j, weight, state), [x], conv_state)
 
 
 def naive_rule(q, k, v, g, beta, state):
-    """Notebook 04's recurrence, one verify position at a time: (o [B, L, H, dv], states after each)."""
-    outputs, states = [], []
-    for t in range(q.shape[1]):
-        o, state = recurrent_gated_delta_rule(*(x[:, t : t + 1] for x in (q, k, v, g, beta)), state)
-        outputs.append(o[:, 0])
-        states.append(state)
-    return torch.stack(outputs, 1), torch.stack(states, 1)
+    """Notebook 04's recurrence at every verify position: (o [B, L, H, dv], the states after each)."""
+
+    def step(q, k, v, g, beta, state):
+        o, state = recurrent_gated_delta_rule(*(x[:, None] for x in (q, k, v, g, beta)), state)
+        return o[:, 0], state
+
+    return checks.position_by_position(step, [q, k, v, g, beta], state)
 
 
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES)

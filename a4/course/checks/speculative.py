@@ -31,7 +31,15 @@ from a4.core import SamplingParams
 from a4.course.checks import conclude
 from a4.course.checks._earlier import ENGINE, after_notebooks
 from a4.course.checks._harness import DTYPES, compare, compare_dtype, randn, shape_problems, tolerance
-from a4.course.checks.deltanet import CONV_KERNELS, DK, DV, HEADS, delta_rule_inputs, delta_rule_tolerance
+from a4.course.checks.deltanet import (
+    CONV_KERNELS,
+    DK,
+    DV,
+    HEADS,
+    delta_rule_inputs,
+    delta_rule_tolerance,
+    transformers_recurrence,
+)
 from a4.course.checks.gpu import aten_ops, gdn_shapes, transformers_conv, transformers_rule
 from a4.course.checks.state_pool import MAX_NEW_TOKENS, read_config, reference_tokens, shared_prompts, text_config
 from a4.course.checks.state_pool import token_problems
@@ -58,27 +66,31 @@ LOOP_BATCHES = (2, 5)
 # ------------------------------------------------------------------------------------------------ the references
 
 
+def position_by_position(step: Callable, inputs: list[torch.Tensor], state: torch.Tensor):
+    """A one-token function at every verify position: step(*inputs at position j, state) -> (output, the state after
+    it), for inputs [B, L, ...]. Returns (outputs [B, L, ...], the states after each position [B, L, ...])."""
+    outputs, states = [], []
+    for j in range(inputs[0].shape[1]):
+        output, state = step(*(x[:, j] for x in inputs), state)
+        outputs.append(output)
+        states.append(state)
+    return torch.stack(outputs, dim=1), torch.stack(states, dim=1)
+
+
 def transformers_conv_steps(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor):
-    """transformers' causal_conv1d_update, one verify position at a time: (y [B, L, D], states [B, L, D, K-1])."""
-    ys, states = [], []
-    for j in range(x.shape[1]):
-        y, conv_state = transformers_conv(x[:, j], weight, conv_state)
-        ys.append(y)
-        states.append(conv_state)
-    return torch.stack(ys, dim=1), torch.stack(states, dim=1)
+    """transformers' causal_conv1d_update at every verify position: (y [B, L, D], states [B, L, D, K-1])."""
+    return position_by_position(lambda x_j, state: transformers_conv(x_j, weight, state), [x], conv_state)
 
 
 def transformers_rule_steps(q, k, v, g, beta, initial_state):
-    """transformers' torch_recurrent_gated_delta_rule (a4's layout, q scaled), one verify position at a time:
+    """transformers' torch_recurrent_gated_delta_rule (a4's layout, q scaled) at every verify position:
     (o [B, L, H, dv], states [B, L, H, dk, dv])."""
-    from a4.course.checks.deltanet import transformers_recurrence
 
-    outputs, states, state = [], [], initial_state
-    for t in range(q.shape[1]):
-        o, state = transformers_recurrence(*(x[:, t : t + 1] for x in (q, k, v, g, beta)), state)
-        outputs.append(o[:, 0])
-        states.append(state)
-    return torch.stack(outputs, dim=1), torch.stack(states, dim=1)
+    def step(q, k, v, g, beta, state):
+        o, state = transformers_recurrence(*(x[:, None] for x in (q, k, v, g, beta)), state)
+        return o[:, 0], state
+
+    return position_by_position(step, [q, k, v, g, beta], initial_state)
 
 
 def accepted_by_loop(draft_ids: torch.Tensor, target_ids: torch.Tensor) -> list[int]:
@@ -125,6 +137,21 @@ def state_position_problems(label: str, states: torch.Tensor, expected: torch.Te
     return [f"{label}: the state after verify position(s) {wrong} is wrong"]
 
 
+def verify_problems(label: str, got: tuple[torch.Tensor, torch.Tensor], expected: tuple[torch.Tensor, torch.Tensor],
+                    before: torch.Tensor, output_problems: Callable[[torch.Tensor, torch.Tensor], list[str]],
+                    same_state: Callable[[torch.Tensor, torch.Tensor], bool]) -> list[str]:
+    """A verify's (output, states) against the reference's: their shapes, the output (`output_problems(ours, want)`)
+    and the state after each position (`same_state(ours, want)`); `before` is the state the verify started from."""
+    (output, states), (want_output, want_states) = got, expected
+    wrong = shape_problems(f"{label}: the output", output, want_output.shape)
+    wrong += shape_problems(f"{label}: the states", states, want_states.shape)
+    if wrong:
+        return wrong
+    return output_problems(output, want_output) + state_position_problems(
+        f"{label}: the states", states, want_states, before, same_state
+    )
+
+
 def check_conv_verify(conv_verify: Callable) -> None:
     """causal_conv1d_verify against transformers' causal_conv1d_update run one position at a time, for conv
     kernels 2, 3 and 4, verify lengths 1, 2 and 5, in float32 and bfloat16; the input conv state untouched."""
@@ -135,18 +162,13 @@ def check_conv_verify(conv_verify: Callable) -> None:
                 label = f"kernel {kernel}, {dtype_name}, L = {length}"
                 i = conv_inputs(BATCH, length, kernel, dtype, seed=kernel + length)
                 before = i["conv_state"].clone()
-                expected_y, expected_states = transformers_conv_steps(i["x"], i["weight"], before)
-                y, states = conv_verify(**i)
-                wrong = shape_problems(f"{label}: y", y, expected_y.shape)
-                wrong += shape_problems(f"{label}: conv_states", states, expected_states.shape)
-                if wrong:
-                    problems += wrong
-                    continue
-                # A sum of `kernel` products per value, one rounding.
-                problems += compare_dtype(f"{label}: y", y, expected_y, tolerance(dtype, kernel), elementwise=True)
-                # The states are copies of inputs: equal, bit for bit.
-                problems += state_position_problems(f"{label}: conv_states", states, expected_states, before,
-                                                    torch.equal)
+                expected = transformers_conv_steps(i["x"], i["weight"], before)
+                problems += verify_problems(
+                    label, conv_verify(**i), expected, before,
+                    # A sum of `kernel` products per value, one rounding.
+                    lambda y, want: compare_dtype(f"{label}: y", y, want, tolerance(dtype, kernel), elementwise=True),
+                    torch.equal,  # the states are copies of inputs: equal, bit for bit
+                )  # fmt: skip
                 if not torch.equal(i["conv_state"], before):
                     problems.append(f"{label}: conv_state was modified (the pool's row must stay as it was until "
                                     "the commit)")
@@ -168,17 +190,13 @@ def check_rule_verify(rule_verify: Callable) -> None:
         label = f"L = {length}"
         i = rule_inputs(BATCH, length, seed=length)
         before = i["initial_state"].clone()
-        expected_o, expected_states = transformers_rule_steps(**{**i, "initial_state": before})
-        o, states = rule_verify(**i)
-        wrong = shape_problems(f"{label}: o", o, expected_o.shape)
-        wrong += shape_problems(f"{label}: states", states, expected_states.shape)
-        if wrong:
-            problems += wrong
-            continue
+        expected = transformers_rule_steps(**{**i, "initial_state": before})
         allowed = delta_rule_tolerance(length)
-        problems += compare(f"{label}: o", o, expected_o, allowed)
-        problems += state_position_problems(f"{label}: states", states, expected_states, before,
-                                            lambda ours, want: not compare("", ours, want, allowed))
+        problems += verify_problems(
+            label, rule_verify(**i), expected, before,
+            lambda o, want: compare(f"{label}: o", o, want, allowed),
+            lambda ours, want: not compare("", ours, want, allowed),
+        )  # fmt: skip
         if not torch.equal(i["initial_state"], before):
             problems.append(f"{label}: initial_state was modified (work on a copy: the pool's row must stay as it was "
                             "until the commit)")
