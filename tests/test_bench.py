@@ -263,6 +263,21 @@ def test_gpu_parts_run_on_the_cpu():
     assert floor["weight_bytes"] == 2 * hf_text_model_parameters(model_dir)
 
 
+def test_gpu_context_part_times_the_engines_graph_safe_decode(monkeypatch):
+    # The engine's decode step updates the GDN states by slot; notebook 04's forward builds tensors from host lists,
+    # which a CUDA graph cannot capture: timed eagerly, it measured Python, not the GPU.
+    def notebook_04_forward(*args, **kwargs):
+        raise AssertionError("the context part ran GatedDeltaNet.forward, not the engine's graph-safe decode")
+
+    monkeypatch.setattr(deltanet.GatedDeltaNet, "forward", notebook_04_forward)
+    workload = gpu.Workload.quick()
+    model_dir = make_checkpoint(None, "qwen3_5", preset=workload.preset)
+    result = gpu.run_part("context", model_dir, workload, torch.device("cpu"))
+    assert {key: len(times) for key, times in result.items()} == dict.fromkeys(
+        ("gdn_layer_ms", "attention_layer_ms", "step_ms"), len(workload.contexts)
+    )
+
+
 def hf_text_model_parameters(model_dir) -> int:
     """The parameters of transformers' text model of the checkpoint (a tied embedding counted once)."""
     from transformers import AutoConfig, AutoModelForCausalLM

@@ -26,6 +26,21 @@ def test_rule_by_slot_matches_transformers_in_the_pool():
     checks.check_rule_by_slot(gated_delta_rule_update_by_slot_)
 
 
+def test_rule_check_feeds_transformers_query_and_key_heads_repeated_to_the_value_heads(monkeypatch):
+    # transformers 5.17 (the H200's) expects q and k repeated to the value heads, as its layer feeds them; later
+    # releases repeat them only where the counts differ. pyproject allows both: the check must run on either.
+    import transformers.models.qwen3_5.modeling_qwen3_5 as hf
+
+    grouping = hf.torch_recurrent_gated_delta_rule
+
+    def without_grouping(query, key, value, *args, **kwargs):
+        assert query.shape[2] == key.shape[2] == value.shape[2], "q, k and v must have as many heads"
+        return grouping(query, key, value, *args, **kwargs)
+
+    monkeypatch.setattr(hf, "torch_recurrent_gated_delta_rule", without_grouping)
+    checks.check_rule_by_slot(gated_delta_rule_update_by_slot_)
+
+
 def test_decode_step_by_slot_is_capturable():
     checks.check_graph_safe(conv_update_by_slot_, gated_delta_rule_update_by_slot_)
 

@@ -2,8 +2,9 @@
 `python -m pytest -q tests/test_gpu.py tests/test_gpu_kernels.py`.
 
 float32 tiny Qwen3 and Qwen3.5 against transformers' greedy generation token by token, with CUDA graphs on and off:
-single prompts, a varlen batch, chunked prefill, slot reuse, prefix hits under both hybrid policies, and batch sizes
-between the captured buckets. bfloat16 is compared by agreement, printed (rounding differs by kernel).
+single prompts, a varlen batch, chunked prefill, slot reuse, prefix hits under both hybrid policies, batch sizes
+between the captured buckets, and speculative decoding. bfloat16 is compared by agreement, printed (rounding differs by
+kernel).
 """
 
 from __future__ import annotations
@@ -98,3 +99,20 @@ def test_bfloat16_agreement(model):
     print(f"\nbfloat16 on CUDA: {agreeing} of {total} tokens agree before the first difference; "
           f"{identical} of {len(PROMPTS)} requests identical")  # fmt: skip
     assert agreeing > total // 2
+
+
+@pytest.mark.parametrize("correct", [0, 1, 3])
+def test_speculative_decoding_equals_transformers(model, correct):
+    # The verify pass on CUDA: a4's Triton GDN steps over scratch states, kept per position, then committed.
+    from a4.speculative.drafter import OracleDrafter
+
+    ckpt, reference = model
+    drafter = OracleDrafter({tuple(p): out for p, out in zip(PROMPTS, reference)}, correct=correct, vocab_size=1024)
+    llm = LLM(ckpt, device="cuda", drafter=drafter, speculative_tokens=3, max_running_requests=4,
+              max_prefill_tokens=48, page_size=4)  # fmt: skip
+    outputs = llm.generate(PROMPTS, SamplingParams(max_new_tokens=MAX_NEW))
+    assert [out.token_ids for out in outputs] == reference
+    if "qwen3_5" in ckpt and correct == 0:
+        # The real drafter too: Qwen3.5's MTP module, its KV in the pool on the GPU.
+        mtp = LLM(ckpt, device="cuda", speculative_tokens=2, max_running_requests=4, max_prefill_tokens=48)
+        assert [out.token_ids for out in mtp.generate(PROMPTS, SamplingParams(max_new_tokens=MAX_NEW))] == reference

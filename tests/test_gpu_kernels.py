@@ -6,6 +6,8 @@
 - `paged_decode_attention`: lengths from 1 to past several splits, page sizes 1 and 16 (locations scattered through
   the pool, read through req_to_token), GQA, head_dim 256 / 128 / 32, a padded row;
 - the three captured in one CUDA graph and replayed with other slots and lengths in the same buffers;
+- the fused norms (`rmsnorm`): the zero-centred and the gated RMSNorm against the torch modules they replace, on
+  contiguous rows and on strided heads;
 - the fla prefill (where flash-linear-attention is importable): varlen batch, nonzero initial states from the pool,
   final states written back, against the token-by-token recurrence.
 
@@ -62,6 +64,7 @@ from a4.kernels.fla_prefill import (  # noqa: E402 - only where the kernels can 
 )
 from a4.kernels.gdn_decode import conv_update_by_slot_, gated_delta_rule_update_by_slot_  # noqa: E402
 from a4.kernels.paged_attention import paged_decode_attention  # noqa: E402
+from a4.kernels.rmsnorm import use_fused_norms  # noqa: E402
 
 DTYPES = [torch.float32, torch.bfloat16]
 NUM_SLOTS = 7
@@ -441,3 +444,41 @@ def test_fla_prefill_matches_the_token_by_token_recurrence(preset, dtype):
     for untouched in (4, DUMMY_SLOT):
         assert torch.equal(conv_state[untouched], saved_conv[untouched])
         assert torch.equal(state[untouched], saved_state[untouched])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("dim", [1024, 256, 16])
+def test_fused_norms_match_the_modules_they_replace(dim, dtype):
+    # The torch modules are the reference solutions of notebooks 03 and 04 (tests run with A4_SOLUTIONS=1).
+    from a4.layers.deltanet import GatedRMSNorm
+    from a4.layers.gated_attention import ZeroCenteredRMSNorm
+
+    generator = torch.Generator().manual_seed(dim)
+
+    def rand(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return (torch.randn(*shape, generator=generator) * scale).to(DEVICE, dtype)
+
+    norms = {}
+    for cls in (ZeroCenteredRMSNorm, GatedRMSNorm):
+        torch_norm, fused_norm = cls(dim, 1e-6).to(DEVICE, dtype), cls(dim, 1e-6).to(DEVICE, dtype)
+        with torch.no_grad():
+            torch_norm.weight.copy_(rand(dim, scale=0.3) + (cls is GatedRMSNorm))
+            fused_norm.weight.copy_(torch_norm.weight)
+        assert use_fused_norms(fused_norm) == 1
+        norms[cls] = torch_norm, fused_norm
+    # Rows of a decode batch, and the heads of a projection's output (a strided view, as q = q_and_gate[..., :D]).
+    rows = rand(5, dim, scale=3.0)
+    heads = rand(3, 4, 2 * dim)[..., :dim]
+    # float32: rounding; bfloat16: one unit in the last place (the row statistic is summed in another order, which
+    # can move a value across a rounding boundary). Triton's CPU interpreter truncates float32 to bfloat16 where the
+    # GPU rounds to nearest: a few units there.
+    bf16_rtol = 2**-5 if INTERPRET else 2**-7
+    allowed = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=1e-2, rtol=bf16_rtol)}[dtype]
+    with torch.no_grad():
+        torch_norm, fused_norm = norms[ZeroCenteredRMSNorm]
+        for x in (rows, heads):
+            torch.testing.assert_close(fused_norm(x), torch_norm(x), **allowed)
+        torch_norm, fused_norm = norms[GatedRMSNorm]
+        gate = rand(5, dim)
+        torch.testing.assert_close(fused_norm(rows, gate), torch_norm(rows, gate), **allowed)
+        assert fused_norm(rows[:0], gate[:0]).shape == (0, dim)

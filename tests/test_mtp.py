@@ -216,3 +216,34 @@ def test_moe_mtp_is_refused_with_a_clear_error(tiny_qwen3_5_moe):
     model = a4_model(tiny_qwen3_5_moe, torch.float32)
     with pytest.raises(ValueError, match="experts one by one"):
         load_mtp(model, tiny_qwen3_5_moe, dtype=torch.float32, device="cpu")
+
+
+# ------------------------------------------------------------------------------------------- drafting in the engine
+
+
+def test_the_engines_first_draft_is_what_the_naive_mtp_predicts_from_the_committed_tokens(tiny_qwen3_5):
+    """After every verify step the MTP module's KV must hold what the main model's true hidden states give at the
+    committed positions, not the chained drafts' provisional values: its next first draft must then be the naive
+    module's prediction over the whole committed sequence."""
+    from a4 import LLM, SamplingParams
+
+    llm = LLM(tiny_qwen3_5, speculative_tokens=2, max_prefill_tokens=16)
+    drafter = llm.engine.drafter
+    proposals = []
+    propose = drafter.propose
+
+    def recording(reqs, num_drafts):
+        drafts = propose(reqs, num_drafts)
+        proposals.extend((list(req.all_ids), d[0]) for req, d in zip(reqs, drafts) if d)
+        return drafts
+
+    drafter.propose = recording
+    vocab = llm.engine.model_config.vocab_size
+    llm.generate([random_tokens(3, 20, vocab), random_tokens(4, 7, vocab)], SamplingParams(max_new_tokens=8))
+    assert len(proposals) >= 4
+    for sequence, first_draft in proposals:
+        # The last token has just been chosen and is not fed yet: the draft is read at the position before it.
+        fed = len(sequence) - 1
+        logits = naive_mtp_logits(tiny_qwen3_5, hf_final_hidden(tiny_qwen3_5, sequence[:fed]), sequence[1:])[-1]
+        # The draft is the naive argmax, or ties with it within float32 rounding.
+        assert logits[first_draft] >= logits.max() - 1e-4 * logits.abs().max(), (sequence, first_draft)

@@ -8,7 +8,9 @@ compiled kernels or imported modules:
 - a4: the engine with CUDA graphs for decode (`cuda_graphs=True`); a4_no_graphs: the same with `cuda_graphs=False`;
 - transformers: `generate` with its torch Gated DeltaNet (flash-linear-attention cannot be imported in its process);
 - transformers_fla: the same with flash-linear-attention, where it is installed (transformers picks it up by itself);
-- context: one GDN layer, one full-attention layer and the whole model decoding one token, at contexts of 1k to 128k.
+- context: one GDN layer, one full-attention layer and the whole model decoding one token, at contexts of 1k to 128k,
+  each as the engine's decode step runs it (graph-safe: the GDN state updated by slot, attention through the engine's
+  backend).
 
 Each system prefills one 512- and one 2,048-token prompt (median of 5 after a warm-up, one new token) and decodes at
 batch 1, 8, 32, 64 and 128 (prompts of 128 tokens, median of 40 steps; a step is timed as in `bench engine`). The
@@ -38,7 +40,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -58,7 +60,6 @@ SYSTEMS = (*GRAPHS, "transformers", "transformers_fla")
 PARTS = ("floor", *SYSTEMS, "context")
 FLA_DISTRIBUTIONS = ("flash-linear-attention", "fla-core")
 MAX_PREFILL_TOKENS = 8192
-CONTEXT_SERIES = {"GDN layer": "gdn_layer_ms", "attention layer": "attention_layer_ms"}  # decode_context's names
 
 
 @dataclass(frozen=True)
@@ -210,29 +211,38 @@ def launch_profile(engine, prompt: list[int], wall_ms: float) -> dict:
 
 @torch.inference_mode()
 def measure_context(model_dir: Path, workload: Workload, device: torch.device) -> dict:
-    """One GDN layer, one attention layer and the whole model decoding one token at each context (ms)."""
-    from a4.bench.decode_context import decode_batch, layer_runs, random_kv_pool
+    """One GDN layer, one attention layer and the whole model decoding one token at each context (ms).
+
+    Each runs as in the engine's decode step (a4/engine/graph_runner.py): a graph-safe step, so that the GDN layer
+    updates its pool rows by slot (a4.layers.gdn_backend; Triton's kernels on CUDA) and attention reads the KV pool
+    through the engine's backend for the device.
+    """
+    from a4.bench.decode_context import decode_batch, random_kv_pool
     from a4.kvcache.state_pool import StatePool
+    from a4.layers.gdn_backend import gdn_forward
     from a4.models.registry import load_model
 
     config, model, _ = load_model(model_dir, dtype=DTYPE, device=device, progress=False)
-    gdn = next(layer.linear_attn for layer in model.model.layers if layer.is_linear)
+    gdn = next(layer for layer in model.model.layers if layer.is_linear)
     attention = next(layer.self_attn for layer in model.model.layers if not layer.is_linear)
-    result: dict[str, list] = {key: [] for key in (*CONTEXT_SERIES.values(), "step_ms")}
-    graphed = []
-    for _, runs in layer_runs(config, gdn, attention, model.model.rotary_emb, workload.contexts):
-        for name, run in runs.items():
-            ms, captured = call_ms(run, device, workload.repeats)
-            result[CONTEXT_SERIES[name]].append(ms)
-            graphed.append(captured)
-
     kv_pool = random_kv_pool(config, len(config.full_attention_layers), max(workload.contexts) + 1, DTYPE, device)
     state_pool = StatePool(config, 1, DTYPE, device)
+    hidden = torch.randn(1, config.hidden_size, generator=torch.Generator(device).manual_seed(0), device=device,
+                         dtype=DTYPE)  # fmt: skip
+    result: dict[str, list] = {"gdn_layer_ms": [], "attention_layer_ms": [], "step_ms": []}
+    graphed = []
     for context in workload.contexts:
-        fb = decode_batch(context, kv_pool, state_pool)
-        ms, captured = call_ms(lambda: model(fb), device, workload.repeats)
-        result["step_ms"].append(ms)
-        graphed.append(captured)
+        fb = replace(decode_batch(context, kv_pool, state_pool), graph_safe=True)
+        cos, sin = model.model.rotary_emb(fb.positions, DTYPE)
+        runs = {
+            "gdn_layer_ms": lambda: gdn_forward(gdn.linear_attn, hidden, fb, gdn.pool_layer),
+            "attention_layer_ms": lambda: attention(hidden, cos, sin, fb),
+            "step_ms": lambda: model(fb),
+        }
+        for key, run in runs.items():
+            ms, captured = call_ms(run, device, workload.repeats)
+            result[key].append(ms)
+            graphed.append(captured)
     print(f"context part: {sum(graphed)} of {len(graphed)} calls ran as CUDA graphs, the others eagerly")
     return result
 

@@ -538,7 +538,7 @@ class Engine:
         self.stats.draft_tokens += sum(len(d) for d in drafts)
         self.stats.accepted_draft_tokens += sum(accepted)
         if self.state_pool is not None:
-            kept_lens = as_tensor([max(len(tokens), 1) for tokens in next_tokens])
+            kept_lens = as_tensor([len(tokens) for tokens in next_tokens])  # at least the model's own token
             for layer in fb.verify.conv:
                 commit_verified_states_(
                     self.state_pool.conv_state(layer),

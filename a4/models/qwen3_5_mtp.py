@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from a4.core import ForwardBatch
+from a4.kernels import triton_kernels_run_on
 from a4.layers.gated_attention import ZeroCenteredRMSNorm
 from a4.layers.rope import RotaryEmbedding
 from a4.models.config import FULL_ATTENTION, ModelConfig
@@ -108,4 +109,8 @@ def load_mtp(
         mtp = Qwen3_5MTP(main.config, main)
     report = load_weights(mtp, model_dir, key_map=mtp_key_map, device=device, dtype=dtype, progress=progress)
     mtp.eval().requires_grad_(False)
+    if triton_kernels_run_on(torch.device(device)):
+        from a4.kernels.rmsnorm import use_fused_norms
+
+        use_fused_norms(mtp)
     return mtp, report

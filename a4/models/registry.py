@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from a4.dtypes import resolve_dtype
+from a4.kernels import triton_kernels_run_on
 from a4.models.config import ConfigError, ModelConfig, load_model_config
 from a4.models.weights import LoadReport, identity, load_weights
 
@@ -79,4 +80,9 @@ def load_model(
     key_map: Callable[[str], str | None] = getattr(cls, "checkpoint_key_map", identity)
     report = load_weights(model, model_dir, key_map=key_map, device=device, dtype=dtype, progress=progress)
     model.eval().requires_grad_(False)
+    if triton_kernels_run_on(device):
+        # Each norm in one launch instead of ~10 (a4/kernels/rmsnorm.py): a decode step's launches are its cost.
+        from a4.kernels.rmsnorm import use_fused_norms
+
+        use_fused_norms(model)
     return config, model, report

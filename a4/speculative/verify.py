@@ -1,9 +1,20 @@
 # GENERATED from solutions/a4/speculative/verify.py by `python -m a4.course sync`.
 # Students: edit this file. Course maintainers: edit solutions/a4/speculative/verify.py instead
 # and run `python -m a4.course sync`.
-"""Exercises (notebook 11): the verify pass of speculative decoding, and the commit of what it accepted.
+"""Exercises (notebook 11): the verify pass of speculative decoding, and the commit of the accepted length.
 
-(Temporary reference by the lead; helper nb11 writes the real one.)
+A decode step with speculation feeds each request L = k + 1 tokens at once: its last committed token and the k tokens
+a drafter proposed after it. One forward of the main model over those tokens gives, at every position j, the
+model's own next token `target_ids[:, j]`. The drafts are accepted as long as they agree with it (greedy
+verification), and the request gains the accepted drafts plus the model's token after them.
+
+The attention layers roll back for free: the KV of the rejected positions is forgotten (freed or overwritten). A
+Gated DeltaNet layer cannot forget: its state after the verify has folded in every drafted token, rejected ones
+included, and the state after an earlier position cannot be got back from it. So the verify pass keeps the state
+after *every* position, and the commit copies into the pool the one after the last kept position. These functions
+are that verify pass for one GDN layer (the conv and the delta rule, each returning its states position by
+position), greedy acceptance, and the commit. Every request is a row of the same batched tensor operations: no
+Python loop over the requests (the recurrence walks the L positions, as notebook 04's does).
 """
 
 from __future__ import annotations
@@ -15,20 +26,58 @@ import torch.nn.functional as F
 def causal_conv1d_verify(
     x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [B, L, D], weight [D, 1, K], conv_state [B, D, K-1] -> (y [B, L, D], conv_states [B, L, D, K-1])."""
-    raise NotImplementedError("Exercise spec-conv-verify: the causal conv over each request's verify tokens, and the conv state after each (notebooks/11_speculative.ipynb)")
+    """The causal conv + silu over the L verify tokens of B requests, with the conv state after each token.
+
+    x: [B, L, D] in the model dtype, each request's in_proj_qkv outputs for its L tokens. weight: [D, 1, K].
+    conv_state: [B, D, K-1], each request's last K-1 inputs before x (not modified).
+
+    Returns (y [B, L, D], conv_states [B, L, D, K-1]), both in x's dtype. y is what notebook 04's
+    `causal_conv1d_prefill` computes for each request's L tokens: silu(sum_j weight[:, 0, j] * window[:, t + j]),
+    window = cat(conv_state, x as columns). conv_states[:, j] is the conv state after token j: the last K-1
+    inputs of cat(conv_state, the columns of x[:, :j+1]) (conv_states[:, L-1] is the state after all L tokens).
+    """
+    raise NotImplementedError("Exercise spec-conv-verify: the conv over L tokens per request, and its state after each (notebooks/11_speculative.ipynb)")
 
 
 def gated_delta_rule_verify(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, initial_state: torch.Tensor
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    initial_state: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """As recurrent_gated_delta_rule; also returns states [B, L, H, dk, dv], the state after each token."""
-    raise NotImplementedError("Exercise spec-rule-verify: the gated delta rule over the verify tokens, keeping the state after each (notebooks/11_speculative.ipynb)")
+    """The gated delta rule over the L verify tokens of B requests, with the recurrent state after each token.
+
+    Inputs as for notebook 04's `recurrent_gated_delta_rule`: q, k [B, L, H, dk]; v [B, L, H, dv]; g, beta [B, L, H];
+    initial_state [B, H, dk, dv] (not modified); float32, q scaled by dk^-0.5, q and k l2-normalised, key heads
+    already repeated to the value heads. For each token t and head h, with S the head's [dk, dv] state:
+        S <- S * exp(g_t);  delta = beta_t * (v_t - S^T k_t);  S <- S + k_t delta^T;  o_t = S^T q_t
+
+    Returns (o [B, L, H, dv], states [B, L, H, dk, dv]): states[:, j] is S after token j (states[:, L-1] is what
+    `recurrent_gated_delta_rule` returns as the final state).
+    """
+    raise NotImplementedError("Exercise spec-rule-verify: the delta rule over L tokens per request, and its state after each (notebooks/11_speculative.ipynb)")
 
 
 def greedy_accept(draft_ids: torch.Tensor, target_ids: torch.Tensor) -> torch.Tensor:
-    """draft_ids [B, k], target_ids [B, k+1] -> accepted [B]: the longest prefix of drafts the targets agree with."""
-    raise NotImplementedError("Exercise spec-accept: how many drafts greedy verification accepts (notebooks/11_speculative.ipynb)")
+    """How many drafted tokens each request accepts under greedy verification.
+
+    draft_ids: [B, k] int64, the drafted tokens; a request drafting fewer than k pads its row with -1 after its own
+    drafts. target_ids: [B, k+1] int64, the main model's greedy token after each verify position: position 0 fed the
+    last committed token, position j >= 1 fed draft_ids[:, j-1]; -1 where there is none (a padded position). A -1
+    draft is never accepted, whatever target_ids holds there.
+
+    Returns accepted [B] int64: accepted[i] is the largest a with draft_ids[i, :a] == target_ids[i, :a] (the drafts
+    agree with the model up to there). The request gains a + 1 tokens: draft_ids[i, :a], then target_ids[i, a],
+    the model's own token after the last accepted position.
+    """
+    if draft_ids.dim() != 2 or target_ids.shape != (draft_ids.shape[0], draft_ids.shape[1] + 1):
+        raise ValueError(
+            f"greedy_accept: draft_ids must be [B, k] and target_ids [B, k+1]; got {tuple(draft_ids.shape)} and "
+            f"{tuple(target_ids.shape)}"
+        )
+    raise NotImplementedError("Exercise spec-greedy-accept: how long a prefix of each draft the model agrees with (notebooks/11_speculative.ipynb)")
 
 
 def commit_verified_states_(
@@ -39,5 +88,21 @@ def commit_verified_states_(
     slots: torch.Tensor,
     kept_lens: torch.Tensor,
 ) -> None:
-    """pool[slots[i]] <- states[i, kept_lens[i] - 1], for one GDN layer's conv and recurrent states."""
-    raise NotImplementedError("Exercise spec-commit: write the state after the last kept token into each request's slot (notebooks/11_speculative.ipynb)")
+    """Set each request's state in the pool of one GDN layer to its state after the last verify token it keeps.
+
+    conv_state [num_slots, D, K-1] and recurrent_state [num_slots, H, dk, dv]: the layer's state pool tensors, updated
+    in place (rows not in `slots` untouched). conv_states [B, L, D, K-1] and recurrent_states [B, L, H, dk, dv]: the
+    verify pass's states after each position (`causal_conv1d_verify`, `gated_delta_rule_verify`). slots [B] int64:
+    each request's pool row. kept_lens [B] int64 in 1..L: how many verify tokens request i keeps (its accepted drafts
+    + 1: the last committed token and the accepted drafts; fewer if it finished inside its draft).
+
+    Row slots[i] of both pool tensors becomes request i's state after its verify token kept_lens[i] - 1.
+    """
+    length = conv_states.shape[1]
+    in_range = ((kept_lens >= 1) & (kept_lens <= length)).all()
+    if kept_lens.shape != slots.shape or not in_range:
+        raise ValueError(
+            f"commit_verified_states_: kept_lens must hold one length in 1..{length} per slot; got "
+            f"{kept_lens.tolist()} for slots {slots.tolist()}"
+        )
+    raise NotImplementedError("Exercise spec-commit: copy each request's state after its last kept token into its pool row (notebooks/11_speculative.ipynb)")

@@ -101,9 +101,13 @@ def transformers_rule(inputs: dict[str, torch.Tensor], states: torch.Tensor) -> 
 
     a, b, A_log, dt_bias = (inputs[name] for name in ("a", "b", "A_log", "dt_bias"))
     g = -A_log.float().exp() * F.softplus(a.float() + dt_bias)
-    # q, k, v go in as float32 (an exact conversion: transformers converts them itself), so o comes out in float32.
+    # q and k repeated to the value heads, as the layer of transformers 5.17 feeds them (later releases repeat them
+    # inside the function, only where the head counts differ). They go in as float32 (an exact conversion:
+    # transformers converts them itself), so o comes out in float32.
+    group = inputs["v"].shape[1] // inputs["k"].shape[1]
+    q, k = (inputs[name].repeat_interleave(group, dim=1) for name in ("q", "k"))
     o, final = torch_recurrent_gated_delta_rule(
-        *(inputs[name][:, None].float() for name in ("q", "k", "v")),
+        *(x[:, None].float() for x in (q, k, inputs["v"])),
         g=g[:, None],
         beta=b.sigmoid()[:, None],
         initial_state=states.clone(),
