@@ -58,6 +58,13 @@ def test_every_acceptance_length_gives_transformers_tokens(model, k, correct):
         assert stats.tokens_per_decode_step > 1.0
 
 
+@pytest.mark.parametrize("correct", [0, 1, 2, 3])
+def test_a_single_request_gives_transformers_tokens(model, correct):
+    ckpt, reference = model
+    llm = LLM(ckpt, drafter=oracle(reference, correct), speculative_tokens=3)
+    assert [out.token_ids for out in llm.generate(PROMPTS[3:4], SamplingParams(max_new_tokens=MAX_NEW))] == reference[3:4]
+
+
 @pytest.mark.parametrize("page_size", [1, 4])
 def test_prefix_hits_give_transformers_tokens(model, page_size):
     ckpt, reference = model
