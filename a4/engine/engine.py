@@ -45,7 +45,6 @@ import torch
 from a4.core import Batch, ForwardBatch, Req, SamplingParams, VerifyStates
 from a4.dtypes import resolve_dtype
 from a4.engine.factories import (
-    MTP_KV_LAYERS,
     check_mtp_drafts,
     create_attention_backend,
     create_kv_pool,
@@ -227,10 +226,19 @@ class Engine:
         speculative = config.speculative_tokens > 0
         if drafter is not None and not speculative:
             raise ValueError("a drafter was given but speculative_tokens is 0: set speculative_tokens=k to use it")
+        mtp = None
         if speculative and drafter is None:
             check_mtp_drafts(self.model_config)
-        # The MTP module's attention layer keeps its KV beside the main model's, in the same pool.
-        self.draft_kv_layers = 0 if not speculative else MTP_KV_LAYERS if drafter is None else drafter.kv_layers
+            # Imported here, as the other Qwen3.5-only pieces (factories.py): serving Qwen3 must not depend on them.
+            from a4.models.qwen3_5_mtp import load_mtp
+
+            mtp, _ = load_mtp(self.model, config.model_dir, dtype=config.torch_dtype, device=self.device)
+        # A drafter's attention layers (the MTP module's one) keep their KV beside the main model's, in the same pool.
+        self.draft_kv_layers = 0
+        if mtp is not None:
+            self.draft_kv_layers = len(mtp.layers)
+        elif drafter is not None:
+            self.draft_kv_layers = drafter.kv_layers
         self.ledger, self.memory_plan = self._plan_memory()
         # The longest request (prompt + output) the engine can hold: what the model accepts, and what fits in the
         # pool on its own. Whole pages, because pages are recorded in the table whole.
@@ -286,10 +294,9 @@ class Engine:
             eos_token_ids=self.model_config.eos_token_ids,
             num_draft_tokens=config.speculative_tokens,
         )
-        if speculative and drafter is None:
-            drafter = MTPDrafter.load(
-                self.model,
-                config.model_dir,
+        if mtp is not None:
+            drafter = MTPDrafter(
+                mtp,
                 num_slots=num_slots,
                 req_to_token=self.table_manager.req_to_token,
                 kv_pool=self.kv_pool,
@@ -461,11 +468,17 @@ class Engine:
             )
         else:
             logits = self.model(self._forward_batch(batch))
+        next_tokens, errors = self._sample(batch, logits)
+        self._record(batch, time.perf_counter() - start, len(batch.reqs))
+        return self._book(batch, next_tokens, errors)
+
+    def _sample(self, batch: Batch, logits: torch.Tensor) -> tuple[list[int | None], list[str | None]]:
+        """Each request's next token (None where the step does not sample it) and error, from the logits [S, vocab]
+        of the sampled requests' last rows."""
         sampled_reqs = [req for req, sampled in zip(batch.reqs, batch.sample) if sampled]
         samples = iter(self.sampler.sample(logits, sampled_reqs))
         next_tokens, errors = zip(*(next(samples) if sampled else (None, None) for sampled in batch.sample))
-        self._record(batch, time.perf_counter() - start, len(batch.reqs))
-        return self._book(batch, next_tokens, errors)
+        return list(next_tokens), list(errors)
 
     def _book(self, batch: Batch, next_tokens: Sequence, errors: Sequence[str | None]) -> list[Req]:
         with _sigint_deferred():
@@ -483,12 +496,11 @@ class Engine:
         """
         reqs, extend_lens = batch.reqs, batch.extend_lens
         verify = batch.phase == "decode"
+        drafts, input_ids = None, None
         if verify:
             drafts = self.drafter.propose(reqs, [n - 1 for n in extend_lens])
             input_ids = [t for req, d in zip(reqs, drafts) for t in (req.all_ids[req.computed_len], *d)]
-        else:
-            input_ids = [t for req, n in zip(reqs, extend_lens) for t in req.all_ids[req.computed_len :][:n]]
-        fb = self._forward_batch(batch, input_ids, sample_indices=list(range(len(input_ids))))
+        fb = self._forward_batch(batch, input_ids, every_row=True)
         if verify:
             fb.verify = VerifyStates.for_lengths(extend_lens, self.device)
         hidden = self.model.model(fb)  # [T, hidden], final hidden states of every row
@@ -497,10 +509,8 @@ class Engine:
             next_tokens, errors = self._accept(batch, fb, drafts, hidden)
             committed = [len(tokens) for tokens in next_tokens]
         else:
-            sampled_reqs = [req for req, sampled in zip(reqs, batch.sample) if sampled]
             last_rows = [end - 1 for end, sampled in zip(ends, batch.sample) if sampled]
-            samples = iter(self.sampler.sample(self.model.lm_head(hidden[last_rows]).float(), sampled_reqs))
-            next_tokens, errors = zip(*(next(samples) if sampled else (None, None) for sampled in batch.sample))
+            next_tokens, errors = self._sample(batch, self.model.lm_head(hidden[last_rows]).float())
             committed = list(extend_lens)
         finished = self._book(batch, next_tokens, errors)
         going_on = [i for i, req in enumerate(reqs) if not req.finished]
@@ -558,19 +568,22 @@ class Engine:
             self.sampler.remove_req(req)
 
     def _forward_batch(
-        self, batch: Batch, input_ids: list[int] | None = None, sample_indices: list[int] | None = None
+        self, batch: Batch, input_ids: list[int] | None = None, every_row: bool = False
     ) -> ForwardBatch:
         """The step's context: its new tokens in one flat row, where their KV goes, and each request's slot.
 
-        By default the tokens are the requests' next ones and the rows sampled are the last of each sampled request;
-        a verify step passes its drafts and every row."""
+        The tokens are the requests' next ones unless `input_ids` gives them (a verify step: last tokens and drafts).
+        The rows whose output the model returns are the last of each sampled request (their logits predict its next
+        token), or with `every_row` all of them (a speculative engine's drafter reads every row's hidden state)."""
         if input_ids is None:
-            input_ids, sample_indices = [], []
-            for req, extend_len, sampled in zip(batch.reqs, batch.extend_lens, batch.sample):
-                input_ids += req.all_ids[req.computed_len : req.computed_len + extend_len]
-                if sampled:
-                    # The logits of a request's last fed token predict its next token.
-                    sample_indices.append(len(input_ids) - 1)
+            input_ids = [
+                t for req, n in zip(batch.reqs, batch.extend_lens) for t in req.all_ids[req.computed_len :][:n]
+            ]
+        if every_row:
+            sample_indices = list(range(len(input_ids)))
+        else:
+            ends = itertools.accumulate(batch.extend_lens)
+            sample_indices = [end - 1 for end, sampled in zip(ends, batch.sample) if sampled]
         return ForwardBatch.build(
             input_ids=input_ids,
             slots=[req.slot for req in batch.reqs],

@@ -68,10 +68,6 @@ def create_kv_pool(
     )
 
 
-# The MTP module of a Qwen3.5 checkpoint has one decoder layer (a4/models/qwen3_5_mtp.py): one more KV layer.
-MTP_KV_LAYERS = 1
-
-
 def check_mtp_drafts(model_config: ModelConfig) -> None:
     """Raise ValueError unless the model's checkpoint carries an MTP module a4 can draft with (dense Qwen3.5)."""
     if not model_config.is_hybrid:

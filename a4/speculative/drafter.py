@@ -22,8 +22,8 @@ not share: its first draft may then be worse. The drafts are only ever proposals
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Protocol
 
 import torch
@@ -101,21 +101,12 @@ class MTPDrafter:
         self.first_draft = torch.zeros(num_slots, dtype=torch.int64, device=device)
         self.draft_hidden = torch.zeros(num_slots, hidden_size, dtype=dtype, device=device)
 
-    @classmethod
-    def load(cls, main: torch.nn.Module, model_dir: str | Path, **kwargs) -> MTPDrafter:
-        """The MTP module of the checkpoint in model_dir, sharing `main`'s embedding and lm_head."""
-        from a4.models.qwen3_5_mtp import load_mtp
-
-        device, dtype = kwargs["req_to_token"].device, main.lm_head.weight.dtype
-        mtp, _ = load_mtp(main, model_dir, dtype=dtype, device=device)
-        return cls(mtp, **kwargs)
-
     def observe(self, reqs: Sequence[Req], committed: Sequence[int], hidden: torch.Tensor) -> None:
         # Row r of request i is position p = computed_len - committed[i] + r; its next token is all_ids[p + 1].
         starts = [req.computed_len - n for req, n in zip(reqs, committed)]
         next_ids = [t for req, p, n in zip(reqs, starts, committed) for t in req.all_ids[p + 1 : p + n + 1]]
-        last_rows = torch.tensor(committed).cumsum(0) - 1
-        out = self._forward(next_ids, reqs, starts, committed, hidden, last_rows.tolist())
+        last_rows = [end - 1 for end in itertools.accumulate(committed)]
+        out = self._forward(next_ids, reqs, starts, committed, hidden, last_rows)
         slots = torch.tensor([req.slot for req in reqs], device=hidden.device)
         self.draft_hidden[slots] = out
         self.first_draft[slots] = self.mtp.logits(out).argmax(-1)
