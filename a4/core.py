@@ -1,22 +1,20 @@
-"""The engine's vocabulary: SamplingParams, Req, Batch, ForwardBatch and Output (names as in mini-sglang / SGLang).
+"""The engine's vocabulary: SamplingParams, Req, Batch, ForwardMode, ForwardBatch and Output (names as in
+mini-sglang / SGLang), and the protocols the layers meet their memory through.
 
 A `Req` is one request as the scheduler sees it; a `Batch` is the requests the scheduler runs in one step; a
-`ForwardBatch` is what the model sees in that step, built once per step: flat tensors (all requests' new tokens in
-one row, no padding), the pools the layers read and write, and the attention backend's metadata.
+`ForwardBatch` is what the model sees in that step, built once per step: its `ForwardMode`, flat tensors (all
+requests' new tokens in one row, no padding), the pools the layers read and write, and the backend with its
+metadata. This module is the bottom of the engine: it imports nothing else of a4.
 """
 
 from __future__ import annotations
 
+import enum
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import Literal, Protocol
 
 import torch
-
-if TYPE_CHECKING:
-    from a4.kvcache.kv_pool import KVPool
-    from a4.layers.attention import AttentionBackend
-    from a4.kvcache.state_pool import StatePool
 
 
 FinishReason = Literal["eos", "length", "error", "abort"]
@@ -124,124 +122,82 @@ class Batch:
     sample: list[bool]
 
 
+class ForwardMode(enum.Enum):
+    """What kind of step a forward is, set once per step by the builder of its ForwardBatch (a4/engine/forward_batch.py)
+    from the scheduler's batch; layers and backends branch on it and on nothing else (SGLang's ForwardMode)."""
+
+    # Prefill: whole prompts, chunks of prompts, a prompt's tail after a prefix hit, a drafter catching up. Each
+    # request feeds any number of tokens after any prefix (extend_lens and prefix_lens say how many).
+    EXTEND = "extend"
+    # One token per request after a non-empty prefix.
+    DECODE = "decode"
+    # Speculative decoding's verify pass: every request feeds the same number L of tokens, its last committed token
+    # and L - 1 drafts. The Gated DeltaNet layers keep their states after each of the L tokens beside the pool.
+    TARGET_VERIFY = "target_verify"
+
+
+class AttentionBackend(Protocol):
+    """How attention layers reach the KV pool (as mini-sglang's `BaseAttnBackend`): `prepare` once per step, then
+    `forward` in every attention layer, reading what `prepare` put in `fb.attn_metadata` (a4/layers/attention.py)."""
+
+    def prepare(self, fb: ForwardBatch) -> None: ...
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fb: ForwardBatch, pool_layer: int, scale: float
+    ) -> torch.Tensor: ...
+
+
+class GDNStates(Protocol):
+    """What the Gated DeltaNet layers need of `fb.state_pool` (notebook 05's StatePool): each GDN layer's state
+    tensors, views whose writes go to the pool, and for speculative decoding the states a verify pass keeps."""
+
+    def conv_state(self, gdn_layer: int) -> torch.Tensor: ...
+
+    def recurrent_state(self, gdn_layer: int) -> torch.Tensor: ...
+
+
 @dataclass
 class ForwardBatch:
-    """The per-step context: everything one forward pass needs, built once per step (`ForwardBatch.build`).
+    """The per-step context: everything one forward pass needs, built once per step (a4/engine/forward_batch.py).
 
     T = new tokens in the step, B = requests. Tensors live on the model's device; layers read them and never rebuild
-    them (as nano-vllm's `Context`, and SGLang's ForwardBatch with its attention backend's metadata). Host-side lists
-    (`extend_lens`, `prefix_lens`) serve the prefill paths, whose Python loops over requests cost little next to their
-    matrix products; a decode step reads only tensors, so it can be captured in a CUDA graph.
+    them (as nano-vllm's `Context`, and SGLang's ForwardBatch with its attention backend's metadata). The host-side
+    lists (`extend_lens`, `prefix_lens`) serve EXTEND steps, whose Python loops over requests cost little next to
+    their matrix products; layers and backends read only tensors in DECODE and TARGET_VERIFY steps, so that those
+    can be captured in a CUDA graph (a static-buffer step has no host lists at all).
     """
 
-    # "decode": every request feeds one token after a non-empty prefix (one definition, decided in `build`); anything
-    # else is "prefill" (whole prompts, chunks of prompts, or one last prompt token after a prefix-cache hit).
-    phase: Literal["prefill", "decode"]
+    mode: ForwardMode
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64, position of each token in its own request
     slots: torch.Tensor  # [B] int64, each request's slot: its row of req_to_token and of the state pool
-    extend_lens: list[int]  # [B] new tokens per request; they sum to T
-    prefix_lens: list[int]  # [B] tokens of each request already in the pools before this step
     seq_lens: torch.Tensor  # [B] int64, prefix + new tokens: each request's length after this step
     cu_seqlens: torch.Tensor  # [B+1] int64, request i's new tokens are rows cu_seqlens[i] .. cu_seqlens[i+1]-1
     # The longest seq_len, or a bound on it (a CUDA-graph batch uses the context limit): the width of the
-    # attention's key block in a decode step.
+    # attention's key block in a decode or verify step.
     max_seq_len: int
     out_cache_loc: torch.Tensor  # [T] int64, KV pool location written by each new token
-    sample_indices: torch.Tensor  # [S] int64, rows of the T tokens whose logits are needed
+    sample_indices: torch.Tensor  # [S] int64, rows of the T tokens whose outputs are needed
     req_to_token: torch.Tensor  # [slots, max_context] int64, the request-slot table
-    kv_pool: KVPool | None
-    state_pool: StatePool | None = None
+    kv_pool: object | None  # a4.kvcache.kv_pool.KVPool: the full-attention layers' KV
+    state_pool: GDNStates | None = None  # the Gated DeltaNet layers' states (hybrid models)
+    # The step's backend (a4/layers): attention for every model, and the Gated DeltaNet primitives for a hybrid one.
     attn_backend: AttentionBackend | None = None
-    # What attn_backend.prepare computed for this step (request tables, masks), shared by every attention layer.
+    # Eager steps only: new tokens per request, and tokens of each request already in the pools before this step.
+    extend_lens: list[int] | None = None
+    prefix_lens: list[int] | None = None
+    # What the backends' `prepare` computed for this step, shared by every layer of its kind.
     attn_metadata: object = None
-    # A decode step over static buffers (a4/engine/graph_runner.py), maybe being captured in a CUDA graph: layers
-    # read only its tensors (the host lists would be frozen into the graph) and update states by slot, in place.
-    graph_safe: bool = False
-    # The verify pass of speculative decoding (a4/speculative): the Gated DeltaNet layers leave the pool as it is
-    # and keep the state after every position here, until the engine commits the accepted length.
-    verify: VerifyStates | None = None
+    gdn_metadata: object = None
 
     @property
     def batch_size(self) -> int:
-        return len(self.extend_lens)
+        return self.slots.shape[0]
 
-    @classmethod
-    def build(
-        cls,
-        *,
-        input_ids: list[int] | torch.Tensor,
-        slots: list[int],
-        prefix_lens: list[int],
-        extend_lens: list[int],
-        sample_indices: list[int],
-        req_to_token: torch.Tensor,
-        kv_pool: KVPool | None,
-        state_pool: StatePool | None = None,
-        attn_backend: AttentionBackend | None = None,
-    ) -> ForwardBatch:
-        """The context of one step: request i feeds extend_lens[i] tokens at positions prefix_lens[i] onwards, in
-        slot slots[i], whose row of req_to_token already holds the locations of those positions."""
-        if attn_backend is None:
-            # Imported here: a4.layers imports this module.
-            from a4.layers.attention import TorchAttnBackend
-
-            attn_backend = TorchAttnBackend()
-        device = req_to_token.device
-
-        def tensor(values: list[int]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.int64, device=device)
-
-        # Built on the host and copied once: one small arange per request would be a launch per request on a GPU.
-        positions = tensor([pos for p, n in zip(prefix_lens, extend_lens) for pos in range(p, p + n)])
-        seq_lens = [p + n for p, n in zip(prefix_lens, extend_lens)]
-        slots_t = tensor(slots)
-        decode = all(n == 1 for n in extend_lens) and all(p > 0 for p in prefix_lens)
-        fb = cls(
-            phase="decode" if decode else "prefill",
-            input_ids=torch.as_tensor(input_ids, dtype=torch.int64).to(device),
-            positions=positions,
-            slots=slots_t,
-            extend_lens=list(extend_lens),
-            prefix_lens=list(prefix_lens),
-            seq_lens=tensor(seq_lens),
-            cu_seqlens=tensor([0, *extend_lens]).cumsum(0),
-            max_seq_len=max(seq_lens),
-            out_cache_loc=req_to_token[slots_t.repeat_interleave(tensor(extend_lens)), positions],
-            sample_indices=tensor(sample_indices),
-            req_to_token=req_to_token,
-            kv_pool=kv_pool,
-            state_pool=state_pool,
-            attn_backend=attn_backend,
-        )
-        attn_backend.prepare(fb)
-        return fb
-
-
-@dataclass
-class VerifyStates:
-    """The states a verify pass keeps (notebook 11): request i feeds its last token and its drafts, at most
-    `num_tokens` = k + 1 tokens, and every Gated DeltaNet layer records its states after each of them.
-
-    A KV cache rolls back by forgetting positions; a state cannot be cut, so the pass keeps them all and the engine
-    copies the one after the last accepted token into the request's slot (`commit_verified_states_`).
-    """
-
-    num_tokens: int  # L: tokens of the longest verify row (k + 1)
-    # [B, L] int64: the flat row of the step that holds request i's token j; T (one past the last row) where request
-    # i feeds fewer than j + 1 tokens. Layers compute those padded positions on a zero row and nobody commits them.
-    grid_rows: torch.Tensor
-    conv: dict[int, torch.Tensor] = field(default_factory=dict)  # pool layer -> [B, L, conv_dim, K-1]
-    recurrent: dict[int, torch.Tensor] = field(default_factory=dict)  # pool layer -> [B, L, Hv, dk, dv]
-
-    @classmethod
-    def for_lengths(cls, extend_lens: list[int], device: torch.device) -> VerifyStates:
-        num_tokens, padding_row = max(extend_lens), sum(extend_lens)
-        rows, start = [], 0
-        for n in extend_lens:
-            rows.append([start + j if j < n else padding_row for j in range(num_tokens)])
-            start += n
-        return cls(num_tokens, torch.tensor(rows, dtype=torch.int64, device=device))
+    @property
+    def tokens_per_request(self) -> int:
+        """DECODE and TARGET_VERIFY: how many tokens each request feeds (1 for a decode step, L for a verify)."""
+        return self.input_ids.shape[0] // self.slots.shape[0]
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import a4.__main__ as cli
-import a4.layers.deltanet as deltanet
+import a4.layers.gdn_backend as gdn_backend
 from a4 import LLM, SamplingParams
 from a4._overlay import REPO_ROOT
 from a4.bench import decode_context, engine, gpu, prefill, spec
@@ -56,12 +56,12 @@ def test_prefill_writes_both_forms(tmp_path):
 
 def test_recurrence_in_prefill_matches_transformers_and_is_undone(tiny_qwen3_5):
     prompts = [[5, 17, 300, 42, 7] * 9, [11, 3]]  # a 45-token prompt spans chunks; batched with a short one
-    chunked = deltanet.chunk_gated_delta_rule
+    chunked = gdn_backend.chunk_gated_delta_rule
     llm = LLM(tiny_qwen3_5, max_prefill_tokens=64)
     with prefill.recurrence_in_prefill():
-        assert deltanet.chunk_gated_delta_rule is prefill.recurrent_prefill
+        assert gdn_backend.chunk_gated_delta_rule is prefill.recurrent_prefill
         outputs = llm.generate(prompts, SamplingParams(max_new_tokens=4))
-    assert deltanet.chunk_gated_delta_rule is chunked
+    assert gdn_backend.chunk_gated_delta_rule is chunked
     assert [out.token_ids for out in outputs] == hf_greedy(tiny_qwen3_5, prompts, 4)
 
 
@@ -264,12 +264,16 @@ def test_gpu_parts_run_on_the_cpu():
 
 
 def test_gpu_context_part_times_the_engines_graph_safe_decode(monkeypatch):
-    # The engine's decode step updates the GDN states by slot; notebook 04's forward builds tensors from host lists,
-    # which a CUDA graph cannot capture: timed eagerly, it measured Python, not the GPU.
-    def notebook_04_forward(*args, **kwargs):
-        raise AssertionError("the context part ran GatedDeltaNet.forward, not the engine's graph-safe decode")
+    # The engine's captured decode step updates the GDN states by slot (notebook 10's step, Triton's on CUDA);
+    # notebook 04's eager decode gathers and scatters through host-built tensors, which a CUDA graph cannot capture:
+    # timed eagerly, it measured Python, not the GPU.
+    from a4.layers import gdn_backend
 
-    monkeypatch.setattr(deltanet.GatedDeltaNet, "forward", notebook_04_forward)
+    def notebook_04_decode(*args, **kwargs):
+        raise AssertionError("the context part ran notebook 04's eager decode, not the engine's graph-safe one")
+
+    monkeypatch.setattr(gdn_backend, "causal_conv1d_decode", notebook_04_decode)
+    monkeypatch.setattr(gdn_backend, "recurrent_gated_delta_rule", notebook_04_decode)
     workload = gpu.Workload.quick()
     model_dir = make_checkpoint(None, "qwen3_5", preset=workload.preset)
     result = gpu.run_part("context", model_dir, workload, torch.device("cpu"))

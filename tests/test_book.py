@@ -238,8 +238,10 @@ def test_gdn_chunk_statements_follow_the_layer(monkeypatch):
     """The chunk size the checks describe is the one the GDN layer runs its prefill with (not a number in prose)."""
     import inspect
 
-    from a4.core import ForwardBatch
-    from a4.layers import deltanet
+    from a4.bench._states import LayerStates
+    from a4.core import ForwardMode
+    from a4.engine.forward_batch import build_forward_batch
+    from a4.layers import deltanet, gdn_backend
 
     used = []
     original = deltanet.chunk_gated_delta_rule
@@ -252,15 +254,17 @@ def test_gdn_chunk_statements_follow_the_layer(monkeypatch):
 
     config = parse_config(preset_config("qwen3_5", "tiny"))
     layer = deltanet.GatedDeltaNet(config)
-    conv = torch.zeros(1, config.conv_dim, config.linear_conv_kernel_dim - 1)
-    recurrent = torch.zeros(1, config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim)
-    fb = ForwardBatch.build(
-        input_ids=[0] * 40, slots=[0], prefix_lens=[0], extend_lens=[40], sample_indices=[39],
-        req_to_token=torch.zeros(1, 64, dtype=torch.long), kv_pool=None,
+    states = LayerStates(
+        torch.zeros(1, config.conv_dim, config.linear_conv_kernel_dim - 1),
+        torch.zeros(1, config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim),
+    )
+    fb = build_forward_batch(
+        ForwardMode.EXTEND, input_ids=[0] * 40, slots=[0], prefix_lens=[0], extend_lens=[40], sample_indices=[39],
+        req_to_token=torch.zeros(1, 64, dtype=torch.long), kv_pool=None, state_pool=states,
     )  # fmt: skip
     with monkeypatch.context() as patch, torch.no_grad():
-        patch.setattr(deltanet, "chunk_gated_delta_rule", spy)
-        layer(torch.randn(40, config.hidden_size), fb, conv, recurrent)
+        patch.setattr(gdn_backend, "chunk_gated_delta_rule", spy)  # the eager backend's name for notebook 04's rule
+        layer(torch.randn(40, config.hidden_size), fb, 0)
     size = state_checks.gdn_chunk_size()
     assert used == [size]
     full, rest = divmod(130, size)

@@ -16,6 +16,7 @@ import dataclasses
 import pytest
 import torch
 
+from a4.bench._states import LayerStates
 from a4.course.checks import CheckFailed
 from a4.course.checks import deltanet as checks
 from a4.course.checks._harness import assert_close, randn
@@ -96,12 +97,14 @@ class NormGatedFirst(GatedRMSNorm):
         return (self.weight * normed).to(x.dtype)
 
 
-class LayerKeepingReusedStates(GatedDeltaNet):
-    """Every request continues from what its slot holds, as if it had a prefix: a reused slot leaks into it."""
+class LayerOnPrivateStates(GatedDeltaNet):
+    """Runs its backend on a zero state pool of its own instead of the step's: its first prefill is right, but the
+    pool never learns the requests' states, and every later step starts them from zero again."""
 
-    def forward(self, hidden, fb, conv_state, recurrent_state):
-        continued = dataclasses.replace(fb, prefix_lens=[max(p, 1) for p in fb.prefix_lens])
-        return super().forward(hidden, continued, conv_state, recurrent_state)
+    def forward(self, hidden, fb, gdn_layer):
+        conv, recurrent = (torch.zeros_like(state) for state in (fb.state_pool.conv_state(0), fb.state_pool.recurrent_state(0)))
+        own = LayerStates(conv, recurrent)
+        return super().forward(hidden, dataclasses.replace(fb, state_pool=own), gdn_layer)
 
 
 def first_line(check, *args) -> str:
@@ -115,7 +118,7 @@ def test_gated_norm_check_names_the_gate_applied_before_the_norm():
     assert line.startswith("likely cause: the output equals norm(x · silu(z)): the gate comes after the norm")
 
 
-@pytest.mark.parametrize("check", [checks.check_layer_prefill, checks.check_layer_states])
-def test_layer_checks_ask_whether_a_new_request_starts_from_zero_state(check):
-    line = first_line(check, LayerKeepingReusedStates)
-    assert "does a new request (fb.prefix_lens[i] == 0) start from zero state" in line
+def test_layer_states_check_sees_states_kept_outside_the_pool():
+    # transformers' cache holds each request's states; the step's state pool must hold the same.
+    line = first_line(checks.check_layer_states, LayerOnPrivateStates)
+    assert "state" in line

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from a4 import LLM, SamplingParams
+from a4.core import ForwardMode
 from a4.course.checks._harness import assert_close, model_reduction_length, tolerance
 from a4.models.config import load_model_config
 from a4.reference import hf_greedy, hf_prefill_capture
@@ -88,7 +89,7 @@ class LayerInterrupt:
 
         def hook(module, args, output):
             done = stats.prefill_steps if phase == "prefill" else stats.decode_steps
-            if args[-1].phase == phase and done - base == step:
+            if (args[-1].mode is ForwardMode.EXTEND) == (phase == "prefill") and done - base == step:
                 raise KeyboardInterrupt(f"injected in layer {layer}, {phase} step {step}")
 
         self.handle = engine.model.model.layers[layer].register_forward_hook(hook)

@@ -15,6 +15,8 @@ import pytest
 import torch
 
 from a4 import LLM, SamplingParams
+from a4.core import ForwardMode
+from a4.engine.forward_batch import build_forward_batch
 from a4.engine.graph_runner import batch_buckets
 from a4.reference import hf_greedy
 
@@ -86,7 +88,7 @@ def test_the_decode_step_traces_without_a_graph_break(model):
     runner = LLM(ckpt, cuda_graphs=True, max_running_requests=3).engine.graph_runner
     torch._dynamo.reset()
     with torch.inference_mode():
-        explanation = torch._dynamo.explain(runner._forward)(2)
+        explanation = torch._dynamo.explain(runner._forward)(ForwardMode.DECODE, 2)
     torch._dynamo.reset()
     assert explanation.graph_break_count == 0, explanation.break_reasons
 
@@ -104,29 +106,42 @@ def test_attention_metadata_is_prepared_once_per_step(tiny_qwen3_5, monkeypatch)
     llm = LLM(tiny_qwen3_5, max_prefill_tokens=16)
     prepared = []
     original = TorchAttnBackend.prepare
-    monkeypatch.setattr(TorchAttnBackend, "prepare", lambda self, fb: prepared.append(fb.phase) or original(self, fb))
+    monkeypatch.setattr(TorchAttnBackend, "prepare", lambda self, fb: prepared.append(fb.mode) or original(self, fb))
     llm.generate([PROMPTS[3]], SamplingParams(max_new_tokens=4))
     stats = llm.stats
     assert len(llm.engine.model_config.full_attention_layers) > 1
     # 40 prompt tokens in chunks of 16: 3 prefill steps, then 3 decode steps (the first token comes with the prefill).
-    assert prepared == ["prefill"] * stats.prefill_steps + ["decode"] * stats.decode_steps
+    assert prepared == [ForwardMode.EXTEND] * stats.prefill_steps + [ForwardMode.DECODE] * stats.decode_steps
 
 
 @pytest.mark.parametrize(
-    ("prefix_lens", "extend_lens", "phase"),
-    [([5, 9], [1, 1], "decode"), ([0, 9], [1, 1], "prefill"), ([5, 9], [1, 2], "prefill"), ([0], [7], "prefill")],
-)
-def test_a_decode_step_is_one_token_after_a_prefix_for_every_request(prefix_lens, extend_lens, phase):
-    from a4.core import ForwardBatch
-
+    ("prefix_lens", "extend_lens", "mode"),
+    [([5, 9], [1, 1], "DECODE"), ([0, 9], [1, 1], "EXTEND"), ([5, 9], [1, 2], "EXTEND"), ([0], [7], "EXTEND"),
+     ([5, 9], [3, 3], "TARGET_VERIFY")],
+)  # fmt: skip
+def test_the_step_is_of_the_mode_given_and_writes_where_the_table_says(prefix_lens, extend_lens, mode):
     table = torch.arange(2 * 16).reshape(2, 16)
-    fb = ForwardBatch.build(
-        input_ids=[0] * sum(extend_lens), slots=[1, 0][: len(prefix_lens)], prefix_lens=prefix_lens,
-        extend_lens=extend_lens, sample_indices=[], req_to_token=table, kv_pool=None,
+    fb = build_forward_batch(
+        ForwardMode[mode], input_ids=[0] * sum(extend_lens), slots=[1, 0][: len(prefix_lens)],
+        prefix_lens=prefix_lens, extend_lens=extend_lens, sample_indices=[], req_to_token=table, kv_pool=None,
     )  # fmt: skip
-    assert fb.phase == phase
+    assert fb.mode is ForwardMode[mode]
     positions = [p for start, n in zip(prefix_lens, extend_lens) for p in range(start, start + n)]
     slots = [s for s, n in zip([1, 0], extend_lens) for _ in range(n)]
     assert fb.out_cache_loc.tolist() == [16 * s + p for s, p in zip(slots, positions)]
     assert fb.seq_lens.tolist() == [p + n for p, n in zip(prefix_lens, extend_lens)]
     assert fb.cu_seqlens.tolist() == [sum(extend_lens[:i]) for i in range(len(extend_lens) + 1)]
+
+
+@pytest.mark.parametrize(
+    ("mode", "prefix_lens", "extend_lens"),
+    [("DECODE", [0, 9], [1, 1]), ("DECODE", [5, 9], [1, 2]), ("TARGET_VERIFY", [5, 9], [2, 3])],
+)
+def test_a_step_that_does_not_fit_its_mode_is_refused(mode, prefix_lens, extend_lens):
+    # A decode step is one token after a prefix for every request, a verify step the same count for every request.
+    table = torch.arange(2 * 16).reshape(2, 16)
+    with pytest.raises(ValueError, match=mode):
+        build_forward_batch(
+            ForwardMode[mode], input_ids=[0] * sum(extend_lens), slots=[1, 0], prefix_lens=prefix_lens,
+            extend_lens=extend_lens, sample_indices=[], req_to_token=table, kv_pool=None,
+        )  # fmt: skip

@@ -269,16 +269,22 @@ def test_a_larger_budget_never_gives_the_engine_fewer_slots_or_a_shorter_context
     assert all(context == CONTEXT for slots, context in seen if slots > 1), seen
 
 
-def test_hybrid_slots_first_needs_no_notebook_06_exercise(run_python):
-    """Serving Qwen3.5 with the default plan needs notebooks 01-05 only; a state_fraction asks for notebook 06."""
+def test_the_engine_plans_with_notebook_06s_ledger_and_qwen3_needs_none_of_it(run_python):
+    """The state pool counts towards the memory plan through notebook 06's `hybrid_ledger`, on the default path as
+    with a state_fraction; an all-attention model's engine does not import notebook 06's module at all."""
     code = (
         "import sys\n"
         "from a4 import LLM\n"
         "from a4.checkpoints import tiny_checkpoint\n"
-        "LLM(tiny_checkpoint('qwen3_5'))\n"
+        "LLM(tiny_checkpoint('qwen3'))\n"
         "assert 'a4.engine.hybrid_memory' not in sys.modules\n"
-        "LLM(tiny_checkpoint('qwen3_5'), state_fraction=0.5)\n"
-        "assert 'a4.engine.hybrid_memory' in sys.modules\n"
+        "import a4.engine.hybrid_memory as nb06\n"
+        "seen = []\n"
+        "ledger = nb06.hybrid_ledger\n"
+        "nb06.hybrid_ledger = lambda config, dtype: seen.append(dtype) or ledger(config, dtype)\n"
+        "llm = LLM(tiny_checkpoint('qwen3_5'))\n"
+        "assert seen, 'the default plan did not ask hybrid_ledger'\n"
+        "assert llm.ledger == ledger(llm.engine.model_config, llm.engine.config.torch_dtype)\n"
     )
     run = run_python(code)
     assert run.returncode == 0, run.stderr

@@ -18,7 +18,8 @@ from transformers.models.qwen3.modeling_qwen3 import (
     apply_rotary_pos_emb,
 )
 
-from a4.core import ForwardBatch
+from a4.core import ForwardMode
+from a4.engine.forward_batch import build_forward_batch
 from a4.course.checks._harness import assert_close, tolerance
 from a4.kvcache.kv_pool import KVPool
 from a4.layers.attention import paged_attention
@@ -85,7 +86,9 @@ class PagedRequests:
             ks.append(k)
             vs.append(v)
             locs.append(self._locations(slot, prefix_len, prefix_len + n))
-        fb = ForwardBatch.build(
+        decode = all(n == 1 for n in extend_lens) and min(prefix_lens) > 0
+        fb = build_forward_batch(
+            ForwardMode.DECODE if decode else ForwardMode.EXTEND,
             input_ids=[0] * sum(extend_lens),
             slots=slots,
             prefix_lens=prefix_lens,

@@ -133,16 +133,16 @@ def test_the_mtp_drafter_gives_transformers_tokens(tiny_qwen3_5, k):
 @pytest.mark.parametrize("off_by", [-1, 1])
 def test_a_commit_one_position_off_is_caught(tiny_qwen3_5, monkeypatch, off_by):
     # The GDN state committed one token too short or too far: plausible tokens, and wrong ones. transformers says so.
-    import a4.engine.engine as engine_module
+    import a4.speculative.verify as verify  # the state pool's commit calls notebook 11's function by this name
 
     reference = hf_greedy(tiny_qwen3_5, PROMPTS, MAX_NEW)
-    commit = engine_module.commit_verified_states_
+    commit = verify.commit_verified_states_
 
     def off_by_one(conv, recurrent, conv_states, recurrent_states, slots, kept_lens):
         shifted = (kept_lens + off_by).clamp(1, conv_states.shape[1])
         commit(conv, recurrent, conv_states, recurrent_states, slots, shifted)
 
-    monkeypatch.setattr(engine_module, "commit_verified_states_", off_by_one)
+    monkeypatch.setattr(verify, "commit_verified_states_", off_by_one)
     llm = LLM(tiny_qwen3_5, drafter=oracle(reference, 1), speculative_tokens=2)
     outputs = llm.generate(PROMPTS, SamplingParams(max_new_tokens=MAX_NEW))
     assert [out.token_ids for out in outputs] != reference

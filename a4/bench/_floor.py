@@ -33,16 +33,17 @@ class ModelBytes:
     @staticmethod
     def of(model: torch.nn.Module, config: ModelConfig, dtype: torch.dtype) -> ModelBytes:
         # Imported here: the engine's modules need the exercises only when called.
-        from a4.engine.factories import state_bytes_per_slot
+        from a4.engine.factories import state_pool_class
         from a4.engine.memory_plan import MemoryLedger
 
+        pool_class = state_pool_class(config)
         params = dict(model.named_parameters())  # tied parameters come once
         return ModelBytes(
             weight_bytes=sum(p.nbytes for p in params.values()),
             non_embedding_params=sum(
                 p.numel() for name, p in params.items() if not any(e in name for e in EMBEDDING_PARAMETERS)
             ),
-            state_bytes_per_request=state_bytes_per_slot(config, dtype),
+            state_bytes_per_request=pool_class.bytes_per_slot(config, dtype) if pool_class else 0,
             kv_bytes_per_token=MemoryLedger.from_config(config, dtype).kv_bytes_per_token,
         )
 

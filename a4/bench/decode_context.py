@@ -27,10 +27,11 @@ from pathlib import Path
 
 import torch
 
+from a4.bench._states import LayerStates
 from a4.bench._timing import median_seconds
 from a4.checkpoints import make_checkpoint
-from a4.core import ForwardBatch
-from a4.engine.factories import create_attention_backend
+from a4.core import AttentionBackend, ForwardBatch, ForwardMode
+from a4.engine.forward_batch import build_forward_batch
 from a4.kvcache.kv_pool import KVPool
 from a4.models.config import FULL_ATTENTION, ModelConfig
 from a4.models.registry import load_model
@@ -57,12 +58,16 @@ def random_kv_pool(
     return pool
 
 
-def decode_batch(context: int, kv_pool: KVPool, state_pool: object | None = None) -> ForwardBatch:
+def decode_batch(
+    context: int, kv_pool: KVPool, state_pool: object | None = None, backend: AttentionBackend | None = None
+) -> ForwardBatch:
     """One decode step of one request (slot 0) that holds `context` tokens: its next token goes to position `context`.
 
-    The request's tokens live at KV locations 0, 1, 2, ... (so the pool needs context + 1 locations).
+    The request's tokens live at KV locations 0, 1, 2, ... (so the pool needs context + 1 locations). `backend`: the
+    engine's for the device (a4.engine.factories.create_backends); default: the CPU's eager one.
     """
-    return ForwardBatch.build(
+    return build_forward_batch(
+        ForwardMode.DECODE,
         input_ids=[0],
         slots=[0],
         prefix_lens=[context],
@@ -71,8 +76,7 @@ def decode_batch(context: int, kv_pool: KVPool, state_pool: object | None = None
         req_to_token=torch.arange(kv_pool.num_locations, device=kv_pool.device)[None],
         kv_pool=kv_pool,
         state_pool=state_pool,
-        # The engine's backend for the device: on CUDA the Triton paged kernel, which reads keys in place.
-        attn_backend=create_attention_backend(kv_pool.device),
+        attn_backend=backend,
     )
 
 
@@ -94,19 +98,19 @@ def layer_runs(
     gen = torch.Generator(device).manual_seed(0)
     hidden = torch.randn(1, config.hidden_size, generator=gen, device=device, dtype=dtype)
     # One request's GDN state (slot 0): random, as a long context would have left it.
-    conv_state = torch.randn(
-        1, config.conv_dim, config.linear_conv_kernel_dim - 1, generator=gen, device=device, dtype=dtype
-    )
-    recurrent_state = torch.randn(
-        1, config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim,
-        generator=gen, device=device,
-    ).mul_(0.1)  # fmt: skip
+    states = LayerStates(
+        torch.randn(1, config.conv_dim, config.linear_conv_kernel_dim - 1, generator=gen, device=device, dtype=dtype),
+        torch.randn(
+            1, config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim,
+            generator=gen, device=device,
+        ).mul_(0.1),
+    )  # fmt: skip
     kv_pool = random_kv_pool(config, 1, max(contexts) + 1, dtype, device)
     for context in contexts:
-        fb = decode_batch(context, kv_pool)
+        fb = decode_batch(context, kv_pool, states)
         cos, sin = rotary_emb(fb.positions, dtype)
         yield context, {
-            "GDN layer": lambda: gdn(hidden, fb, conv_state, recurrent_state),
+            "GDN layer": lambda: gdn(hidden, fb, 0),
             "attention layer": lambda: attention(hidden, cos, sin, fb),
         }
 

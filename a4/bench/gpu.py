@@ -40,7 +40,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -213,13 +213,13 @@ def launch_profile(engine, prompt: list[int], wall_ms: float) -> dict:
 def measure_context(model_dir: Path, workload: Workload, device: torch.device) -> dict:
     """One GDN layer, one attention layer and the whole model decoding one token at each context (ms).
 
-    Each runs as in the engine's decode step (a4/engine/graph_runner.py): a graph-safe step, so that the GDN layer
-    updates its pool rows by slot (a4.layers.gdn_backend; Triton's kernels on CUDA) and attention reads the KV pool
-    through the engine's backend for the device.
+    Each runs as in the engine's decode step (a4/engine/graph_runner.py): with the static runner's backend, so that
+    the GDN layer updates its pool rows by slot (a4.layers.gdn_backend; Triton's kernels on CUDA) and attention reads
+    the KV pool through the engine's backend for the device.
     """
     from a4.bench.decode_context import decode_batch, random_kv_pool
+    from a4.engine.factories import create_backends
     from a4.kvcache.state_pool import StatePool
-    from a4.layers.gdn_backend import gdn_forward
     from a4.models.registry import load_model
 
     config, model, _ = load_model(model_dir, dtype=DTYPE, device=device, progress=False)
@@ -229,13 +229,15 @@ def measure_context(model_dir: Path, workload: Workload, device: torch.device) -
     state_pool = StatePool(config, 1, DTYPE, device)
     hidden = torch.randn(1, config.hidden_size, generator=torch.Generator(device).manual_seed(0), device=device,
                          dtype=DTYPE)  # fmt: skip
+    # The static-buffer runner's backend: the GDN layer updates its pool rows by slot, as in a captured step.
+    static_backend = create_backends(config, device, DTYPE)[1]
     result: dict[str, list] = {"gdn_layer_ms": [], "attention_layer_ms": [], "step_ms": []}
     graphed = []
     for context in workload.contexts:
-        fb = replace(decode_batch(context, kv_pool, state_pool), graph_safe=True)
+        fb = decode_batch(context, kv_pool, state_pool, static_backend)
         cos, sin = model.model.rotary_emb(fb.positions, DTYPE)
         runs = {
-            "gdn_layer_ms": lambda: gdn_forward(gdn.linear_attn, hidden, fb, gdn.pool_layer),
+            "gdn_layer_ms": lambda: gdn.linear_attn(hidden, fb, gdn.pool_layer),
             "attention_layer_ms": lambda: attention(hidden, cos, sin, fb),
             "step_ms": lambda: model(fb),
         }

@@ -23,9 +23,11 @@ from pathlib import Path
 
 import torch
 
+from a4.bench._states import LayerStates
 from a4.bench._timing import median_seconds
 from a4.checkpoints import make_checkpoint
-from a4.core import ForwardBatch, SamplingParams
+from a4.core import ForwardMode, SamplingParams
+from a4.engine.forward_batch import build_forward_batch
 
 FORMS = ("chunked", "recurrence")
 LENGTHS = (512, 2048)
@@ -58,14 +60,15 @@ def recurrent_prefill(
 @contextmanager
 def recurrence_in_prefill() -> Iterator[None]:
     """Within the block, every GDN layer runs its prefill with the recurrence (see the module docstring)."""
-    import a4.layers.deltanet as deltanet
+    # The name the eager GDN backend calls notebook 04's chunked rule by (a4/layers/gdn_backend.py).
+    import a4.layers.gdn_backend as backend
 
-    chunked = deltanet.chunk_gated_delta_rule
-    deltanet.chunk_gated_delta_rule = recurrent_prefill
+    chunked = backend.chunk_gated_delta_rule
+    backend.chunk_gated_delta_rule = recurrent_prefill
     try:
         yield
     finally:
-        deltanet.chunk_gated_delta_rule = chunked
+        backend.chunk_gated_delta_rule = chunked
 
 
 def prefill_seconds(llm, prompt: list[int], repeats: int) -> dict[str, float]:
@@ -87,13 +90,16 @@ def layer_prefill_seconds(gdn: torch.nn.Module, lengths: tuple[int, ...], repeat
     `repeats`, the forms taking turns). gdn: a `GatedDeltaNet`, run in the dtype of its parameters."""
     projection = gdn.in_proj_qkv
     dtype, device = projection.weight.dtype, projection.weight.device
-    conv_state = torch.zeros(1, projection.out_features, gdn.conv_kernel - 1, dtype=dtype, device=device)
-    recurrent_state = torch.zeros(1, gdn.num_v_heads, gdn.head_k_dim, gdn.head_v_dim, device=device)
+    states = LayerStates(
+        torch.zeros(1, projection.out_features, gdn.conv_kernel - 1, dtype=dtype, device=device),
+        torch.zeros(1, gdn.num_v_heads, gdn.head_k_dim, gdn.head_v_dim, device=device),
+    )
     gen = torch.Generator(device).manual_seed(0)
     times: dict[str, list[float]] = {form: [] for form in FORMS}
     for length in lengths:
         hidden = torch.randn(length, projection.in_features, generator=gen, dtype=dtype, device=device)
-        fb = ForwardBatch.build(
+        fb = build_forward_batch(
+            ForwardMode.EXTEND,
             input_ids=[0] * length,
             slots=[0],
             prefix_lens=[0],
@@ -101,10 +107,12 @@ def layer_prefill_seconds(gdn: torch.nn.Module, lengths: tuple[int, ...], repeat
             sample_indices=[length - 1],
             req_to_token=torch.arange(length, device=device)[None],
             kv_pool=None,  # a GDN layer keeps no KV
+            state_pool=states,
         )
 
         def chunked() -> None:
-            gdn(hidden, fb, conv_state, recurrent_state)
+            states.conv.zero_(), states.recurrent.zero_()  # from a zero state, as a new request
+            gdn(hidden, fb, 0)
 
         def recurrence() -> None:
             with recurrence_in_prefill():

@@ -97,7 +97,7 @@ def decode_run(system: System, prompts: list[list[int]], new_tokens: int) -> dic
     if system.drafter is not None:
         # One 0.8B engine serves several drafters, one per run: every run starts with a prefill, which the drafter
         # observes, so a drafter never sees another's requests.
-        engine.drafter = system.drafter
+        engine.worker.drafter = system.drafter
     engine.stats = EngineStats()  # this run's counters only
     seconds = system.runner.decode_step_seconds(prompts, new_tokens)
     return {**asdict(engine.stats), "decode_step_seconds": seconds}

@@ -11,17 +11,23 @@ pages: a larger budget never gives fewer slots or a shorter context. Only the fu
 bytes, so a hybrid model (Qwen3.5, one layer in four) gets KV only where it needs it; its slots are planned the same
 way once their state is counted (`StatePool.bytes_per_slot`, notebook 05), or capped at a share of the budget by
 `plan_hybrid_memory` (hybrid_memory.py, notebook 06). Before either, the engine sets aside the bytes of the state
-checkpoints its prefix cache may keep (notebook 07): `MemoryPlan.checkpoint_bytes`. Model weights are not part of
-the budget: they are loaded before the plan is made.
+checkpoints its prefix cache may keep (notebook 07): `MemoryPlan.checkpoint_bytes`. `plan_engine_memory` is the
+engine's whole plan, from its settings and the model's ledger (notebook 06's `hybrid_ledger` for a hybrid model).
+Model weights are not part of the budget: they are loaded before the plan is made.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch
 
 from a4.models.config import ModelConfig
+
+if TYPE_CHECKING:
+    from a4.engine.config import EngineConfig
 
 # Bytes of one req_to_token entry (an int64 location).
 TABLE_ENTRY_BYTES = 8
@@ -69,6 +75,26 @@ class MemoryLedger:
             verify_bytes_per_slot=verify_bytes_per_slot,
         )
 
+    @classmethod
+    def all_attention(cls, config: ModelConfig, dtype: torch.dtype) -> MemoryLedger:
+        """The same model with every layer full attention: KV in every layer, no state (what a hybrid saves)."""
+        element_bytes = torch.empty((), dtype=dtype).element_size()
+        return cls(
+            kv_bytes_per_token=2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * element_bytes,
+            table_bytes_per_slot=config.max_position_embeddings * TABLE_ENTRY_BYTES,
+        )
+
+    def with_speculation(self, config: ModelConfig, dtype: torch.dtype, draft_kv_layers: int, num_tokens: int):
+        """This ledger plus what speculative decoding adds: a draft model's attention layers, which keep KV in the
+        same pool with the main model's heads, and the states a verify pass of `num_tokens` positions keeps."""
+        element_bytes = torch.empty((), dtype=dtype).element_size()
+        draft_kv = 2 * draft_kv_layers * config.num_key_value_heads * config.head_dim * element_bytes
+        return replace(
+            self,
+            kv_bytes_per_token=self.kv_bytes_per_token + draft_kv,
+            verify_bytes_per_slot=num_tokens * self.state_bytes_per_slot,
+        )
+
     @property
     def bytes_per_slot(self) -> int:
         """Fixed cost of one request slot, whatever the request's length."""
@@ -89,6 +115,9 @@ class MemoryPlan:
     # Set aside for the prefix cache's state checkpoints (hybrid models, notebook 07): the engine plans slots and
     # pages in budget_bytes - checkpoint_bytes.
     checkpoint_bytes: int = 0
+    # Hybrid models: the shortest request that costs less memory than in the same model with every layer attention
+    # (notebook 06's `break_even_tokens`, asked by `describe`).
+    break_even: Callable[[], int] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -126,6 +155,12 @@ class MemoryPlan:
             f"KV pool           {self.num_pages:,} pages of {self.page_size} = {self.num_tokens:,} tokens"
             f" = {_mib(self.kv_bytes)}",
         ]
+        if self.break_even is not None:
+            try:
+                cheaper = f"requests of {self.break_even():,}+ tokens cost less than with every layer attention"
+            except ValueError as e:  # the hybrid request never costs less: say so
+                cheaper = str(e)
+            lines.append(f"break-even        {cheaper}")
         return "\n".join(lines)
 
 
@@ -168,6 +203,49 @@ def plan_memory(
     slots = min(max_running_requests, max((budget_bytes - context_bytes) // ledger.bytes_per_slot, 1))
     num_pages = (budget_bytes - slots * ledger.bytes_per_slot) // page_bytes
     return MemoryPlan(ledger, budget_bytes, page_size, num_pages, slots)
+
+
+# How a budget is split between slots and pages: `plan_memory`, or notebook 06's `plan_hybrid_memory` with a share.
+Split = Callable[..., MemoryPlan]
+
+
+def plan_engine_memory(
+    config: EngineConfig,
+    model_config: ModelConfig,
+    ledger: MemoryLedger,
+    *,
+    num_checkpoints: int,
+    split: Split | None = None,
+) -> MemoryPlan:
+    """The engine's plan: `num_checkpoints` state checkpoints for the prefix cache set aside first (the default budget
+    adds them to what full contexts need), then the rest split by `split` (default: slots first, `plan_memory`
+    with `ledger`), called with the budget, page size, dtype and `max_running_requests`."""
+    dtype, device = config.torch_dtype, config.torch_device
+    checkpoint_bytes = num_checkpoints * ledger.state_bytes_per_slot
+    budget = config.memory_budget_bytes or default_budget_bytes(
+        ledger,
+        max_running_requests=config.max_running_requests,
+        max_context_len=model_config.max_position_embeddings,
+        device=device,
+        checkpoint_bytes=checkpoint_bytes,
+    )
+    # What must remain beside the checkpoints: one request slot and one KV page, the smallest plan.
+    if checkpoint_bytes and budget - checkpoint_bytes < ledger.bytes_per_request(config.page_size):
+        raise MemoryPlanError(
+            f"max_state_checkpoints={num_checkpoints} state checkpoints take {checkpoint_bytes:,} B "
+            f"of the {budget:,} B memory budget, leaving less than one request slot and one KV page "
+            f"({ledger.bytes_per_request(config.page_size):,} B): lower max_state_checkpoints, raise "
+            f"memory_budget_bytes, or set hybrid_prefix_policy='refuse'"
+        )
+    split = split or (lambda model_config, **sizes: plan_memory(model_config, ledger=ledger, **sizes))
+    plan = split(
+        model_config,
+        budget_bytes=budget - checkpoint_bytes,
+        page_size=config.page_size,
+        dtype=dtype,
+        max_running_requests=config.max_running_requests,
+    )
+    return replace(plan, budget_bytes=budget, checkpoint_bytes=checkpoint_bytes)
 
 
 def default_budget_bytes(

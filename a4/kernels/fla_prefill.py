@@ -55,21 +55,18 @@ def causal_conv1d_prefill_by_slot_(
     conv_state: torch.Tensor,
     slots: torch.Tensor,
     cu_seqlens: torch.Tensor,
-    fresh: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal conv + silu over a varlen batch, each sequence from its pool row, final conv states written back.
 
     x [T, D] (model dtype, sequence i's tokens cu_seqlens[i] .. cu_seqlens[i+1]-1); weight [D, 1, K];
-    conv_state [num_slots, D, K-1]; slots [N] int64 (distinct); cu_seqlens [N+1] int64 on the device;
-    fresh [N] bool or None: sequences that start from zero states whatever their rows hold.
+    conv_state [num_slots, D, K-1]; slots [N] int64 (distinct); cu_seqlens [N+1] int64 on the device. Each sequence
+    continues from its row (a request that starts here finds it cleared: the engine zeroes a slot it hands out).
     Returns y [T, D] in x's dtype; conv_state[slots] becomes each sequence's last K-1 inputs (with its old state in
     front when the sequence is shorter than K-1), as `a4.layers.deltanet.causal_conv1d_prefill`.
     """
     from fla.modules.convolution import causal_conv1d
 
     initial = conv_state[slots]
-    if fresh is not None:
-        initial.masked_fill_(fresh[:, None, None], 0)
     y, final = causal_conv1d(
         x[None],
         weight[:, 0, :],
@@ -93,21 +90,17 @@ def chunk_gated_delta_rule_by_slot_(
     state: torch.Tensor,
     slots: torch.Tensor,
     cu_seqlens: torch.Tensor,
-    fresh: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The gated delta rule over a varlen batch (prefill), each sequence from its pool row, final states written back.
 
     q, k [T, Hk, dk] and v [T, Hv, dv]: the conv output split, NOT yet l2-normalised or scaled (model dtype); a, b
     [T, Hv]: in_proj_a / in_proj_b outputs; A_log, dt_bias [Hv]; state [num_slots, Hv, dk, dv] float32; slots [N]
-    int64 (distinct); cu_seqlens [N+1] int64 on the device; fresh [N] bool or None as in
-    `causal_conv1d_prefill_by_slot_`. Returns o [T, Hv, dv] in q's dtype. Same arithmetic as the prefill of
+    int64 (distinct); cu_seqlens [N+1] int64 on the device. Returns o [T, Hv, dv] in q's dtype. Same arithmetic as the prefill of
     `GatedDeltaNet.forward` (beta = sigmoid(b) in b's dtype; g = -exp(A_log) * softplus(a + dt_bias) in float32).
     """
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
     initial = state[slots]
-    if fresh is not None:
-        initial.masked_fill_(fresh[:, None, None, None], 0)
     beta = b.sigmoid()
     g = -A_log.float().exp() * F.softplus(a.float() + dt_bias)
     o, final = chunk_gated_delta_rule(

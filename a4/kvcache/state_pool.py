@@ -20,9 +20,14 @@ Unlike KV, a state cannot be cut at a position or shared page by page: it descri
 fed, and only as a whole. So the only operations on it are whole-slot ones: `clear`, and `save` (a copy,
 `StateCheckpoint`) and `restore`, which a prefix cache of a hybrid model stores and hands back.
 
-Slots are reused: a request admitted into the slot of a finished one finds that request's state there. Before every
-step the engine calls `clear_new_requests`, which zeroes the slots of the requests that start from nothing (like
-SGLang's MambaPool, which zeroes a slot when it hands it out).
+Slots are reused: a request admitted into the slot of a finished one finds that request's state there. So when the
+scheduler gives a request its slot it either restores the prefix cache's checkpoint there (notebook 07) or calls
+`clear_new_requests`, which zeroes the slot of a request that starts from nothing (like SGLang's MambaPool, which
+zeroes a slot when it hands it out). That is the only place a slot is cleared: the layers trust what it holds.
+
+Speculative decoding (notebook 11) adds verify buffers (`allocate_verify_states`): the state after each of a verify
+pass's L positions, per slot, which the layers' backends fill and `commit_verified` copies back at the accepted
+length.
 """
 
 from __future__ import annotations
@@ -117,9 +122,9 @@ class StatePool:
     def clear_new_requests(self, reqs: Sequence[Req]) -> None:
         """Zero the slot of every request in `reqs` that starts from nothing; leave every other slot as it is.
 
-        The engine calls it with the requests of each step, before the model runs. A slot is reused: the request
-        admitted into it finds the previous request's conv and recurrent states there, and must not continue from
-        another conversation's memory. A request starts from nothing when nothing of it is in the pools yet,
+        The scheduler calls it when it gives requests their slots, before their first step runs. A slot is reused:
+        the request admitted into it finds the previous request's conv and recurrent states there, and must not
+        continue from another conversation's memory. A request starts from nothing when nothing of it is in the pools yet,
         `req.computed_len == 0`: clear its slot, `req.slot` (`clear` zeroes whole slots). Every other request
         continues from what its slot holds, which must not change: the next chunk of a chunked prefill, a decode
         step, or a prefix-cache hit whose saved state the radix cache has just restored into the slot (notebook 07).
@@ -143,6 +148,38 @@ class StatePool:
         self._check_slots([slot])
         self._check_compatible(checkpoint)
         raise NotImplementedError("Exercise state-restore: copy a checkpoint into a slot (notebooks/05_state_pool.ipynb)")
+
+    def allocate_verify_states(self, num_tokens: int) -> None:
+        """Buffers for the states a verify pass of `num_tokens` positions keeps, for every slot (speculative
+        decoding: the memory plan counts them, `MemoryLedger.verify_bytes_per_slot`)."""
+        self._verify_conv = self._conv.new_zeros(self.num_layers, self.num_slots, num_tokens, *self._conv.shape[2:])
+        self._verify_recurrent = self._recurrent.new_zeros(
+            self.num_layers, self.num_slots, num_tokens, *self._recurrent.shape[2:]
+        )
+
+    def verify_conv_states(self, gdn_layer: int) -> torch.Tensor:
+        """The k-th GDN layer's conv state after each verify position, [num_slots, L, conv_dim, K-1] (a view)."""
+        return self._verify_conv[self._layer(gdn_layer)]
+
+    def verify_recurrent_states(self, gdn_layer: int) -> torch.Tensor:
+        """The k-th GDN layer's recurrent state after each verify position, [num_slots, L, Hv, dk, dv] (a view)."""
+        return self._verify_recurrent[self._layer(gdn_layer)]
+
+    def commit_verified(self, slots: torch.Tensor, kept_lens: torch.Tensor) -> None:
+        """After a verify pass: each request's slot gets, in every GDN layer, its state after the last verify token
+        it keeps (kept_lens[i] of them), with notebook 11's `commit_verified_states_`."""
+        # Imported here: an exercise of notebook 11, which serving without speculation must not need.
+        from a4.speculative.verify import commit_verified_states_
+
+        for layer in range(self.num_layers):
+            commit_verified_states_(
+                self.conv_state(layer),
+                self.recurrent_state(layer),
+                self.verify_conv_states(layer)[slots],
+                self.verify_recurrent_states(layer)[slots],
+                slots,
+                kept_lens,
+            )
 
     def _layer(self, gdn_layer: int) -> int:
         if not 0 <= gdn_layer < self.num_layers:

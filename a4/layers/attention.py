@@ -5,7 +5,9 @@ at positions prefix_lens[i] .. seq_lens[i]-1; its earlier tokens (a cached prefi
 steps) are already in the pool. All its keys, old and new, are found at `req_to_token[slots[i], :seq_lens[i]]`.
 
 Layers call `paged_attention`; the arithmetic is the step's attention backend's (`ForwardBatch.attn_backend`, chosen
-by a4.engine.factories), whose `prepare` builds what every layer of the step shares (request tables, masks) once.
+by a4.engine.factories; the protocol is a4.core's), whose `prepare` builds what every layer of the step shares
+(request tables, masks) once. An EXTEND step attends request by request; a DECODE or TARGET_VERIFY step treats every
+new token as a row of its own, which sees its request's keys up to its own position: one batched call, graph-safe.
 `TorchAttnBackend`, on CPU and GPU, is torch's `scaled_dot_product_attention` (SDPA): a fused kernel that never materialises the full
 score matrix and keeps the softmax in float32 even for bfloat16 inputs. It is also what transformers' default "sdpa"
 path calls, so the numerics match the reference (prefill in bfloat16 on CPU: bit for bit; decode, which folds
@@ -15,13 +17,11 @@ GQA into the rows of queries, to rounding: one bfloat16 ulp in a few elements).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
-
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from a4.core import ForwardBatch
+from a4.core import ForwardBatch, ForwardMode
 
 
 def _cpu_flash_attention_runs() -> bool:
@@ -39,17 +39,6 @@ def _cpu_flash_attention_runs() -> bool:
 SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 if not _cpu_flash_attention_runs():
     SDPA_BACKENDS.remove(SDPBackend.FLASH_ATTENTION)
-
-
-class AttentionBackend(Protocol):
-    """How attention layers reach the KV pool (as mini-sglang's `BaseAttnBackend`): `prepare` once per step, then
-    `forward` in every attention layer, reading what `prepare` put in `fb.attn_metadata`."""
-
-    def prepare(self, fb: ForwardBatch) -> None: ...
-
-    def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fb: ForwardBatch, pool_layer: int, scale: float
-    ) -> torch.Tensor: ...
 
 
 def paged_attention(
@@ -86,15 +75,20 @@ class TorchAttnBackend:
     `max_seq_len`, so a decode step with a fixed `max_seq_len` is graph-safe."""
 
     def prepare(self, fb: ForwardBatch) -> None:
-        # The requests' rows of the table, gathered on the device: indexing with python ints of the slots would
-        # need them on the host (a device sync).
-        tables = fb.req_to_token[fb.slots, : fb.max_seq_len]
-        key_pos = torch.arange(fb.max_seq_len, device=fb.slots.device)
-        if fb.phase == "decode":
-            valid = key_pos[None, :] < fb.seq_lens[:, None]
-            # Table entries past a request's length may be stale: point them at location 0 to stay in bounds.
+        if fb.mode is not ForwardMode.EXTEND:
+            # Each token is a row: its request's slot, and keys up to its own position. In a decode step that is each
+            # request's whole length; in a verify step, token j of a request sees its prefix and tokens 0..j.
+            row_slots, row_lens = token_rows(fb)
+            # The rows' entries of the table, gathered on the device: indexing with python ints of the slots would
+            # need them on the host (a device sync).
+            tables = fb.req_to_token[row_slots, : fb.max_seq_len]
+            key_pos = torch.arange(fb.max_seq_len, device=fb.slots.device)
+            valid = key_pos[None, :] < row_lens[:, None]
+            # Table entries past a row's length may be stale: point them at location 0 to stay in bounds.
             fb.attn_metadata = DecodeMetadata(locs=torch.where(valid, tables, 0), valid=valid)
             return
+        tables = fb.req_to_token[fb.slots, : fb.max_seq_len]
+        key_pos = torch.arange(fb.max_seq_len, device=fb.slots.device)
         locs, masks = [], []
         for i, (prefix_len, extend_len) in enumerate(zip(fb.prefix_lens, fb.extend_lens)):
             seq_len = prefix_len + extend_len
@@ -109,31 +103,41 @@ class TorchAttnBackend:
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fb: ForwardBatch, pool_layer: int, scale: float
     ) -> torch.Tensor:
         k_buf, v_buf = fb.kv_pool.get_kv(pool_layer)
-        if fb.phase == "decode":
-            return _decode_attention(q, k_buf, v_buf, fb.attn_metadata, scale)
-        return _extend_attention(q, k_buf, v_buf, fb, scale)
+        if fb.mode is ForwardMode.EXTEND:
+            return _extend_attention(q, k_buf, v_buf, fb, scale)
+        return _decode_attention(q, k_buf, v_buf, fb.attn_metadata, scale)
 
 
 class TritonAttnBackend(TorchAttnBackend):
     """On CUDA: decode through a4's Triton paged kernel (a4/kernels/paged_attention.py), which reads each request's
     keys in place through its row of req_to_token and its length on the device: no [B, max_seq_len] gather per layer,
-    and the work follows the real lengths, not the graph's bound. Prefill stays torch's SDPA per request, whose
-    flash kernel is already fused."""
+    and the work follows the real lengths, not the graph's bound. A verify step's tokens are rows of that kernel too
+    (`token_rows`). Prefill stays torch's SDPA per request, whose flash kernel is already fused."""
 
     def prepare(self, fb: ForwardBatch) -> None:
-        if fb.phase != "decode":
+        if fb.mode is ForwardMode.EXTEND:
             super().prepare(fb)
+        else:
+            fb.attn_metadata = token_rows(fb)
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fb: ForwardBatch, pool_layer: int, scale: float
     ) -> torch.Tensor:
-        if fb.phase != "decode":
+        if fb.mode is ForwardMode.EXTEND:
             return super().forward(q, k, v, fb, pool_layer, scale)
         # Imported here: Triton exists only where CUDA does.
         from a4.kernels.paged_attention import paged_decode_attention
 
         k_buf, v_buf = fb.kv_pool.get_kv(pool_layer)
-        return paged_decode_attention(q, k_buf, v_buf, fb.req_to_token, fb.slots, fb.seq_lens, scale)
+        row_slots, row_lens = fb.attn_metadata
+        return paged_decode_attention(q, k_buf, v_buf, fb.req_to_token, row_slots, row_lens, scale)
+
+
+def token_rows(fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """DECODE / TARGET_VERIFY: each new token's slot [T] and the number of keys it sees [T] (its position + 1).
+
+    Every request feeds the same number of tokens, so the repeat count is a shape, not a value: no host sync."""
+    return fb.slots.repeat_interleave(fb.tokens_per_request), fb.positions + 1
 
 
 def gather(buf: torch.Tensor, locs: torch.Tensor) -> torch.Tensor:
@@ -183,10 +187,9 @@ def _extend_attention(
 def _decode_attention(
     q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, meta: DecodeMetadata, scale: float
 ) -> torch.Tensor:
-    """One new token per request: many tiny attentions, where a per-request python loop would cost more than the
-    arithmetic. So every request's keys are gathered into one padded [B, max_seq_len] block for a single SDPA call;
-    the padding is masked out. The new token is the last of its request, so it sees all of its request's keys: no
-    causal mask.
+    """A few new tokens per request: many tiny attentions, where a per-request python loop would cost more than the
+    arithmetic. So every row's keys (a row per new token, `token_rows`) are gathered into one padded
+    [rows, max_seq_len] block for a single SDPA call; keys past the row's own position are masked out.
     """
     k = gather(k_buf, meta.locs).transpose(1, 2)  # [B, nKV, max_seq_len, D]
     v = gather(v_buf, meta.locs).transpose(1, 2)

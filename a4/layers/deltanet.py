@@ -143,6 +143,53 @@ def chunk_gated_delta_rule(
     raise NotImplementedError("Exercise gdn-chunked: the chunked gated delta rule, varlen batch, state across chunks (notebooks/04_gated_deltanet.ipynb)")
 
 
+class GatedDeltaInputs(NamedTuple):
+    """The delta rule's inputs in the form the rule functions above take them (float32, one head per value head)."""
+
+    q: torch.Tensor  # [..., Hv, dk], l2-normalised and scaled by dk^-0.5
+    k: torch.Tensor  # [..., Hv, dk], l2-normalised
+    v: torch.Tensor  # [..., Hv, dv]
+    g: torch.Tensor  # [..., Hv], the log of each token's decay (<= 0)
+    beta: torch.Tensor  # [..., Hv], each token's step size in (0, 1)
+
+
+def gated_delta_inputs(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+) -> GatedDeltaInputs:
+    """The layer's conv output and gate projections -> the inputs of `recurrent_gated_delta_rule` and
+    `chunk_gated_delta_rule`, exactly as transformers' Qwen3_5GatedDeltaNet prepares them.
+
+    q, k [..., Hk, dk] and v [..., Hv, dv] (model dtype): the conv output split into heads; a, b [..., Hv]: the
+    in_proj_a / in_proj_b outputs; A_log, dt_bias [Hv]: the layer's parameters. In float32: q and k l2-normalised
+    (x * rsqrt(sum(x^2) + 1e-6): transformers' l2norm, whose eps sits inside the root), q scaled by dk^-0.5, value
+    head h reading key head h // (Hv / Hk) (repeat_interleave, not repeat: consecutive value heads share a key head);
+    beta = sigmoid(b) (in b's dtype, then float32); g = -exp(A_log) * softplus(a + dt_bias).
+
+    Given, not an exercise: every backend of the layer that runs the students' rule functions calls it (a GPU
+    kernel does the same arithmetic inside itself), so it is written once.
+    """
+    group = v.shape[-2] // k.shape[-2]
+
+    def normalised(x: torch.Tensor) -> torch.Tensor:
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + 1e-6)
+        return x.repeat_interleave(group, dim=-2)
+
+    return GatedDeltaInputs(
+        q=normalised(q) * q.shape[-1] ** -0.5,
+        k=normalised(k),
+        v=v.float(),
+        g=-A_log.float().exp() * F.softplus(a.float() + dt_bias),
+        beta=b.sigmoid().float(),
+    )
+
+
 class GatedRMSNorm(nn.Module):
     """RMSNorm over each value head's dv channels, then a silu gate from z (`linear_attn.norm` in the checkpoint)."""
 
@@ -183,20 +230,20 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(self.head_v_dim, config.rms_norm_eps)
         self.out_proj = nn.Linear(config.linear_value_dim, config.hidden_size, bias=False)
 
-    def forward(
-        self, hidden: torch.Tensor, fb: ForwardBatch, conv_state: torch.Tensor, recurrent_state: torch.Tensor
-    ) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, fb: ForwardBatch, gdn_layer: int) -> torch.Tensor:
         """hidden [T, hidden_size] (model dtype) -> [T, hidden_size], as transformers' Qwen3_5GatedDeltaNet.
 
-        conv_state [slots, conv_dim, K-1] (model dtype) and recurrent_state [slots, Hv, dk, dv] (float32) are this
-        layer's state pool tensors. Request i (fb.extend_lens[i] tokens) reads and then overwrites, in place, row
-        fb.slots[i] of both; a request with fb.prefix_lens[i] == 0 starts from zero states, whatever its row holds
-        (a reused slot still holds its previous request's states).
+        The layer's states are layer `gdn_layer` of fb.state_pool; the two steps that read and update them go
+        through the step's backend (`fb.attn_backend`, a4/layers/gdn_backend.py), which runs the functions above
+        for the step's mode (`fb.mode`) on each request's slot:
+            x = fb.attn_backend.conv(mixed_qkv, self.conv1d.weight, gdn_layer, fb)            # [T, conv_dim]
+            o = fb.attn_backend.delta_rule(q, k, v, a, b, self.A_log, self.dt_bias, gdn_layer, fb)  # [T, Hv, dv] fp32
+        The backend continues each request from what its slot holds (zeros for a request that starts here: the
+        engine clears a slot when it gives it out, notebook 05).
 
-        in_proj_qkv -> conv (`causal_conv1d_prefill`, or `causal_conv1d_decode` when fb.phase == "decode") -> split
-        into q [T, Hk, dk], k [T, Hk, dk], v [T, Hv, dv]. In float32: l2-normalise q and k (x * rsqrt(sum(x^2) +
-        1e-6)), q *= dk^-0.5, repeat each key head to Hv / Hk consecutive value heads; beta = sigmoid(b) and
-        g = -exp(A_log) * softplus(a + dt_bias). The delta rule runs chunked for prefill and as the recurrence for
-        decode; its output, cast to the model dtype, goes through the gated norm with z, then out_proj.
+        in_proj_qkv -> conv -> split into q [T, Hk, dk], k [T, Hk, dk], v [T, Hv, dv] (model dtype; the q rows of
+        the conv output first, then k, then v) -> the delta rule with a = in_proj_a(hidden) and b =
+        in_proj_b(hidden) [T, Hv] (the backend turns them into the gates with `gated_delta_inputs`) -> its output,
+        cast to the model dtype, through the gated norm with z = in_proj_z(hidden) per value head, then out_proj.
         """
-        raise NotImplementedError("Exercise gdn-layer: the Gated DeltaNet layer over a ForwardBatch, states in place (notebooks/04_gated_deltanet.ipynb)")
+        raise NotImplementedError("Exercise gdn-layer: the Gated DeltaNet layer over a ForwardBatch, through its backend (notebooks/04_gated_deltanet.ipynb)")

@@ -1,145 +1,213 @@
-"""Which code runs a Gated DeltaNet layer in a step: the layer's own forward (notebook 04), or its graph-safe decode.
+"""The Gated DeltaNet layers' backends: the two steps of the layer that touch its state, for each kind of step.
 
-A GDN layer reaches its memory as an attention layer does: through the step's context, at its own layer of the pool
-(`fb.state_pool.conv_state(pool_layer)` as `fb.kv_pool.get_kv(pool_layer)`), rows chosen by `fb.slots`.
+`GatedDeltaNet.forward` (notebook 04) is written once. For the two steps that read and update a request's state,
+the causal conv and the delta rule, it calls the step's backend, as an attention layer calls its attention backend
+(SGLang's linear-attention backend beside its full-attention one):
 
-- Eager steps (prefill, and decode outside the static runner) call `GatedDeltaNet.forward`: notebook 04's code,
-  which builds per-step facts from the host lists of the context.
-- A graph-safe step (`fb.graph_safe`: a decode step of a4/engine/graph_runner.py, maybe being captured in a CUDA
-  graph) may read only tensors, and must update the states in place by slot: the layer's weights with the
-  by-slot primitives, a4's Triton kernels on CUDA (a4/kernels/gdn_decode.py) and notebook 10's torch functions
-  elsewhere (a4/layers/gdn_decode.py). Each state row is read once and written once per step.
-- The verify pass of speculative decoding (`fb.verify`, notebook 11) feeds each request up to k + 1 tokens and must
-  keep the state after every one of them: the graph-safe decode step, run once per position over scratch copies of
-  the requests' states, each copied aside after its position. The pool is not touched; the engine commits.
-- A bfloat16 prefill on CUDA with flash-linear-attention installed (the `gpu` extra) runs its varlen kernels over
-  the whole batch by slot: notebook 04's chunked rule loops over chunks in Python, thousands of launches for a long prompt.
+    backend.conv(x, weight, gdn_layer, fb)                            -> y [T, conv_dim]
+    backend.delta_rule(q, k, v, a, b, A_log, dt_bias, gdn_layer, fb)  -> o [T, Hv, dv] float32
+
+Both read the states of pool layer `gdn_layer` (`fb.state_pool.conv_state(gdn_layer)`, `recurrent_state`) at the
+rows `fb.slots`, and branch only on `fb.mode`:
+- EXTEND: each request from its slot over its new tokens, final states written back;
+- DECODE: one token per request, the same;
+- TARGET_VERIFY (speculative decoding): L tokens per request from its slot, the state after every one of them kept
+  in the pool's verify buffers (`StatePool.verify_conv_states`); the slot itself is left alone until the engine
+  commits the accepted length (`StatePool.commit_verified`).
+
+The backends, and whose functions they are made of:
+- `TorchGDNBackend` (eager steps on the CPU): notebook 04's conv and rule for EXTEND and DECODE, notebook 11's
+  verify functions for TARGET_VERIFY;
+- `BySlotGDNBackend` (the static-buffer runner on the CPU, a4/engine/graph_runner.py): notebook 10's graph-safe
+  by-slot step for DECODE, notebook 11's verify functions (graph-safe too) for TARGET_VERIFY;
+- `TritonGDNBackend` (CUDA): a4's Triton by-slot kernels for DECODE, and for TARGET_VERIFY once per position, so a
+  verify computes what decode steps compute; flash-linear-attention's varlen kernels for a bfloat16 EXTEND where
+  installed (the `gpu` extra), else notebook 04's functions. Tested against the students' reference functions.
+
+`HybridAttnBackend` is what a hybrid model's ForwardBatch carries: the attention backend for the full-attention
+layers and one of these for the GDN layers, both prepared once per step.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from types import ModuleType
-from typing import TYPE_CHECKING
 
 import torch
 
-from a4.core import ForwardBatch
-from a4.kernels import triton_kernels_run_on
-from a4.kernels.fla_prefill import fla_available
-from a4.layers.deltanet import GatedDeltaNet
-
-if TYPE_CHECKING:
-    from a4.models.qwen3_5 import GDNStates
-
-
-def gdn_forward(layer: GatedDeltaNet, hidden: torch.Tensor, fb: ForwardBatch, pool_layer: int) -> torch.Tensor:
-    """hidden [T, hidden_size] -> [T, hidden_size]; the layer's states are state-pool layer `pool_layer`."""
-    states: GDNStates = fb.state_pool
-    conv_state, recurrent_state = states.conv_state(pool_layer), states.recurrent_state(pool_layer)
-    if fb.verify is not None:
-        return gdn_verify(layer, hidden, fb, pool_layer, conv_state, recurrent_state)
-    if fb.graph_safe:
-        return gdn_by_slot(layer, hidden, fb, conv_state, recurrent_state)
-    # fla's kernels compute float32 products in TF32: a float32 model keeps notebook 04's exact arithmetic.
-    if fb.phase == "prefill" and hidden.is_cuda and hidden.dtype != torch.float32 and fla_available():
-        return gdn_by_slot(layer, hidden, fb, conv_state, recurrent_state)
-    return layer(hidden, fb, conv_state, recurrent_state)
+from a4.core import AttentionBackend, ForwardBatch, ForwardMode
+from a4.layers.deltanet import (
+    causal_conv1d_decode,
+    causal_conv1d_prefill,
+    chunk_gated_delta_rule,
+    gated_delta_inputs,
+    recurrent_gated_delta_rule,
+)
 
 
-def gdn_by_slot(
-    layer: GatedDeltaNet,
-    hidden: torch.Tensor,
+class TorchGDNBackend:
+    """Eager steps: the students' notebook 04 functions (EXTEND, DECODE) and notebook 11's (TARGET_VERIFY)."""
+
+    def prepare(self, fb: ForwardBatch) -> None:
+        """Nothing to precompute: each request continues from its slot (cleared when it was given out), and the
+        varlen boundaries are the context's `cu_seqlens`."""
+
+    def conv(self, x: torch.Tensor, weight: torch.Tensor, gdn_layer: int, fb: ForwardBatch) -> torch.Tensor:
+        conv_state = fb.state_pool.conv_state(gdn_layer)
+        states_in = conv_state[fb.slots]
+        if fb.mode is ForwardMode.TARGET_VERIFY:
+            from a4.speculative.verify import causal_conv1d_verify
+
+            y, states = causal_conv1d_verify(_per_request(x, fb), weight, states_in)
+            fb.state_pool.verify_conv_states(gdn_layer)[fb.slots] = states
+            return y.flatten(0, 1)
+        if fb.mode is ForwardMode.DECODE:
+            y, states_out = causal_conv1d_decode(x, weight, states_in)
+        else:
+            y, states_out = causal_conv1d_prefill(x, weight, states_in, fb.extend_lens)
+        conv_state[fb.slots] = states_out
+        return y
+
+    def delta_rule(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        A_log: torch.Tensor,
+        dt_bias: torch.Tensor,
+        gdn_layer: int,
+        fb: ForwardBatch,
+    ) -> torch.Tensor:
+        state = fb.state_pool.recurrent_state(gdn_layer)
+        state_in = state[fb.slots]
+        inputs = gated_delta_inputs(q, k, v, a, b, A_log, dt_bias)
+        if fb.mode is ForwardMode.TARGET_VERIFY:
+            from a4.speculative.verify import gated_delta_rule_verify
+
+            o, states = gated_delta_rule_verify(*(_per_request(x, fb) for x in inputs), state_in)
+            fb.state_pool.verify_recurrent_states(gdn_layer)[fb.slots] = states
+            return o.flatten(0, 1)
+        if fb.mode is ForwardMode.DECODE:
+            # One token per request: the requests are the batch of the recurrence.
+            o, state_out = recurrent_gated_delta_rule(*(x[:, None] for x in inputs), state_in)
+            o = o[:, 0]
+        else:
+            o, state_out = chunk_gated_delta_rule(*inputs, fb.cu_seqlens, state_in)
+        state[fb.slots] = state_out
+        return o
+
+
+class BySlotGDNBackend(TorchGDNBackend):
+    """The static-buffer runner's backend: DECODE by slot index in place, with no host list and no host sync, so
+    that a CUDA graph could capture it. On the CPU its primitives are notebook 10's torch functions."""
+
+    def __init__(self, ops: ModuleType | None = None) -> None:
+        if ops is None:
+            from a4.layers import gdn_decode as ops
+        # The by-slot primitives: `conv_update_by_slot_` and `gated_delta_rule_update_by_slot_`.
+        self.ops = ops
+
+    def conv(self, x: torch.Tensor, weight: torch.Tensor, gdn_layer: int, fb: ForwardBatch) -> torch.Tensor:
+        if fb.mode is not ForwardMode.DECODE:
+            return super().conv(x, weight, gdn_layer, fb)
+        return self.ops.conv_update_by_slot_(x, weight, fb.state_pool.conv_state(gdn_layer), fb.slots)
+
+    def delta_rule(self, q, k, v, a, b, A_log, dt_bias, gdn_layer: int, fb: ForwardBatch) -> torch.Tensor:
+        if fb.mode is not ForwardMode.DECODE:
+            return super().delta_rule(q, k, v, a, b, A_log, dt_bias, gdn_layer, fb)
+        state = fb.state_pool.recurrent_state(gdn_layer)
+        return self.ops.gated_delta_rule_update_by_slot_(q, k, v, a, b, A_log, dt_bias, state, fb.slots)
+
+
+class TritonGDNBackend(BySlotGDNBackend):
+    """CUDA: a4's Triton by-slot kernels (decode, and verify one position at a time), flash-linear-attention for a
+    bfloat16 prefill where it is installed: notebook 04's chunked rule loops over chunks in Python, thousands of
+    launches for a long prompt."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        from a4.kernels import gdn_decode
+        from a4.kernels.fla_prefill import fla_available
+
+        super().__init__(gdn_decode)
+        # fla's kernels compute float32 products in TF32: a float32 model keeps notebook 04's exact arithmetic.
+        self.fla_prefill = dtype != torch.float32 and fla_available()
+
+    def conv(self, x: torch.Tensor, weight: torch.Tensor, gdn_layer: int, fb: ForwardBatch) -> torch.Tensor:
+        conv_state = fb.state_pool.conv_state(gdn_layer)
+        if fb.mode is ForwardMode.TARGET_VERIFY:
+
+            def step(x_j, scratch, rows):
+                return self.ops.conv_update_by_slot_(x_j, weight, scratch, rows)
+
+            return _verify_by_position(step, (x,), conv_state, fb.state_pool.verify_conv_states(gdn_layer), fb)
+        if fb.mode is ForwardMode.EXTEND and self.fla_prefill:
+            from a4.kernels.fla_prefill import causal_conv1d_prefill_by_slot_
+
+            return causal_conv1d_prefill_by_slot_(x, weight, conv_state, fb.slots, fb.cu_seqlens)
+        return super().conv(x, weight, gdn_layer, fb)
+
+    def delta_rule(self, q, k, v, a, b, A_log, dt_bias, gdn_layer: int, fb: ForwardBatch) -> torch.Tensor:
+        state = fb.state_pool.recurrent_state(gdn_layer)
+        if fb.mode is ForwardMode.TARGET_VERIFY:
+
+            def step(q_j, k_j, v_j, a_j, b_j, scratch, rows):
+                return self.ops.gated_delta_rule_update_by_slot_(q_j, k_j, v_j, a_j, b_j, A_log, dt_bias, scratch, rows)
+
+            verify_states = fb.state_pool.verify_recurrent_states(gdn_layer)
+            return _verify_by_position(step, (q, k, v, a, b), state, verify_states, fb)
+        if fb.mode is ForwardMode.EXTEND and self.fla_prefill:
+            from a4.kernels.fla_prefill import chunk_gated_delta_rule_by_slot_
+
+            return chunk_gated_delta_rule_by_slot_(q, k, v, a, b, A_log, dt_bias, state, fb.slots, fb.cu_seqlens)
+        return super().delta_rule(q, k, v, a, b, A_log, dt_bias, gdn_layer, fb)
+
+
+def _verify_by_position(
+    step: Callable[..., torch.Tensor],
+    inputs: tuple[torch.Tensor, ...],
+    state: torch.Tensor,
+    verify_states: torch.Tensor,
     fb: ForwardBatch,
-    conv_state: torch.Tensor,
-    recurrent_state: torch.Tensor,
 ) -> torch.Tensor:
-    """The arithmetic of `GatedDeltaNet.forward` (see its docstring) from the layer's weights, with the conv and the
-    delta rule as by-slot primitives that read each request's pool rows and write its final states back in place.
-
-    Decode (one token per row, graph-safe: no host lists): `conv_update_by_slot_` and
-    `gated_delta_rule_update_by_slot_`, Triton's on CUDA, notebook 10's torch functions elsewhere. Prefill on CUDA:
-    flash-linear-attention's varlen conv and chunked rule over the flattened batch (a4/kernels/fla_prefill.py).
-    """
-    mixed_qkv = layer.in_proj_qkv(hidden)
-    if fb.phase == "decode":
-        ops = _decode_ops(hidden.device)
-        conv, rule, varlen = ops.conv_update_by_slot_, ops.gated_delta_rule_update_by_slot_, ()
-    else:
-        from a4.kernels import fla_prefill as ops
-
-        # A request that starts here starts from zero states, whatever its slot still holds.
-        fresh = torch.tensor([p == 0 for p in fb.prefix_lens], device=hidden.device)
-        conv, rule = ops.causal_conv1d_prefill_by_slot_, ops.chunk_gated_delta_rule_by_slot_
-        varlen = (fb.cu_seqlens, fresh)
-    x = conv(mixed_qkv, layer.conv1d.weight, conv_state, fb.slots, *varlen)
-    o = rule(*_split_heads(layer, x), layer.in_proj_a(hidden), layer.in_proj_b(hidden), layer.A_log, layer.dt_bias,
-             recurrent_state, fb.slots, *varlen)
-    return _output(layer, hidden, o)
+    """Run a by-slot decode `step(*inputs_at_j, scratch, rows)` once per verify position over scratch copies of the
+    requests' states, keeping the state after each position in `verify_states` at the requests' slots; the pool's
+    own rows are not written. `inputs`: tensors [T, ...], request after request, L tokens each."""
+    batch, length = fb.batch_size, fb.tokens_per_request
+    rows = torch.arange(batch, device=state.device)
+    scratch = state.index_select(0, fb.slots)
+    after = scratch.new_empty(batch, length, *scratch.shape[1:])
+    per_request = [x.unflatten(0, (batch, length)) for x in inputs]
+    outputs = []
+    for j in range(length):
+        outputs.append(step(*(x[:, j] for x in per_request), scratch, rows))
+        after[:, j] = scratch
+    verify_states[fb.slots] = after
+    return torch.stack(outputs, dim=1).flatten(0, 1)
 
 
-def gdn_verify(
-    layer: GatedDeltaNet,
-    hidden: torch.Tensor,
-    fb: ForwardBatch,
-    pool_layer: int,
-    conv_state: torch.Tensor,
-    recurrent_state: torch.Tensor,
-) -> torch.Tensor:
-    """The verify pass (speculative decoding): request i's tokens one position at a time, from its slot's states, the
-    states after every position kept in `fb.verify` ([B, L, ...] per pool layer); the pool's rows are not written.
+class HybridAttnBackend:
+    """A hybrid model's backend: `forward` for the full-attention layers (the attention backend), `conv` and
+    `delta_rule` for the Gated DeltaNet layers; `prepare` prepares both once per step."""
 
-    Position j of every request is one graph-safe decode step over scratch rows 0..B-1 that start as copies of the
-    requests' slots. A request with fewer than L tokens runs its padded positions on a zero input: their states are
-    garbage, and the engine never commits past a request's own tokens.
-    """
-    verify, ops = fb.verify, _decode_ops(hidden.device)
-    batch = fb.batch_size
-    rows = torch.arange(batch, device=hidden.device)
-    scratch_conv, scratch_recurrent = conv_state.index_select(0, fb.slots), recurrent_state.index_select(0, fb.slots)
-    conv_after = scratch_conv.new_empty(batch, verify.num_tokens, *scratch_conv.shape[1:])
-    recurrent_after = scratch_recurrent.new_empty(batch, verify.num_tokens, *scratch_recurrent.shape[1:])
+    def __init__(self, attention: AttentionBackend, gdn: TorchGDNBackend) -> None:
+        self.attention, self.gdn = attention, gdn
 
-    def padded(x: torch.Tensor) -> torch.Tensor:
-        """[T, ...] -> [T + 1, ...]: the zero row that padded positions read (VerifyStates.grid_rows)."""
-        return torch.cat([x, x.new_zeros(1, *x.shape[1:])])
+    def prepare(self, fb: ForwardBatch) -> None:
+        self.attention.prepare(fb)
+        self.gdn.prepare(fb)
 
-    mixed_qkv = padded(layer.in_proj_qkv(hidden))
-    a, b = padded(layer.in_proj_a(hidden)), padded(layer.in_proj_b(hidden))
-    o = hidden.new_empty(hidden.shape[0] + 1, layer.num_v_heads, layer.head_v_dim, dtype=torch.float32)
-    for j in range(verify.num_tokens):
-        token_rows = verify.grid_rows[:, j]
-        x = ops.conv_update_by_slot_(mixed_qkv[token_rows], layer.conv1d.weight, scratch_conv, rows)
-        o_j = ops.gated_delta_rule_update_by_slot_(
-            *_split_heads(layer, x), a[token_rows], b[token_rows], layer.A_log, layer.dt_bias, scratch_recurrent, rows
-        )
-        conv_after[:, j], recurrent_after[:, j] = scratch_conv, scratch_recurrent
-        o.index_copy_(0, token_rows, o_j)  # padded positions all land on the last row, which is dropped
-    verify.conv[pool_layer], verify.recurrent[pool_layer] = conv_after, recurrent_after
-    return _output(layer, hidden, o[:-1])
+    def forward(self, q, k, v, fb: ForwardBatch, pool_layer: int, scale: float) -> torch.Tensor:
+        return self.attention.forward(q, k, v, fb, pool_layer, scale)
+
+    def conv(self, x: torch.Tensor, weight: torch.Tensor, gdn_layer: int, fb: ForwardBatch) -> torch.Tensor:
+        return self.gdn.conv(x, weight, gdn_layer, fb)
+
+    def delta_rule(self, q, k, v, a, b, A_log, dt_bias, gdn_layer: int, fb: ForwardBatch) -> torch.Tensor:
+        return self.gdn.delta_rule(q, k, v, a, b, A_log, dt_bias, gdn_layer, fb)
 
 
-def _decode_ops(device: torch.device) -> ModuleType:
-    """The graph-safe by-slot primitives: a4's Triton kernels on CUDA, notebook 10's torch functions elsewhere."""
-    if triton_kernels_run_on(device):
-        from a4.kernels import gdn_decode as ops
-    else:
-        from a4.layers import gdn_decode as ops
-    return ops
-
-
-def _split_heads(layer: GatedDeltaNet, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The conv output [T, conv_dim] -> q, k [T, Hk, dk] and v [T, Hv, dv]."""
-    key_dim = layer.num_k_heads * layer.head_k_dim
-    q, k, v = x.split([key_dim, key_dim, layer.num_v_heads * layer.head_v_dim], dim=-1)
-    return (
-        q.reshape(-1, layer.num_k_heads, layer.head_k_dim),
-        k.reshape(-1, layer.num_k_heads, layer.head_k_dim),
-        v.reshape(-1, layer.num_v_heads, layer.head_v_dim),
-    )
-
-
-def _output(layer: GatedDeltaNet, hidden: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
-    """The delta rule's output [T, Hv, dv] (float32) -> gated norm with z -> out_proj: [T, hidden_size]."""
-    z = layer.in_proj_z(hidden).reshape(hidden.shape[0], layer.num_v_heads, layer.head_v_dim)
-    o = layer.norm(o.to(hidden.dtype), z)
-    return layer.out_proj(o.reshape(hidden.shape[0], -1))
+def _per_request(x: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+    """[T, ...] -> [B, L, ...]: a verify step's tokens, L per request."""
+    return x.unflatten(0, (fb.batch_size, fb.tokens_per_request))

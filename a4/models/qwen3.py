@@ -92,10 +92,15 @@ class Qwen3ForCausalLM(nn.Module):
             # One tensor under two names: the checkpoint stores it once, as model.embed_tokens.weight.
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, fb: ForwardBatch) -> torch.Tensor:
+    def forward(
+        self, fb: ForwardBatch, with_hidden: bool = False
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Logits [S, vocab] in float32 for the rows fb.sample_indices (S = len(fb.sample_indices)).
 
         lm_head runs in the model dtype and its output is cast to float32, as transformers' `generate` does
-        before choosing a token.
+        before choosing a token. `with_hidden`: also the final hidden states [S, hidden] those logits come from (a
+        speculative engine's drafter reads them), as (hidden, logits).
         """
-        return self.lm_head(self.model(fb)).float()
+        hidden = self.model(fb)
+        logits = self.lm_head(hidden).float()
+        return (hidden, logits) if with_hidden else logits

@@ -13,36 +13,27 @@ language model and skips the vision encoder and the MTP module (a4.models.qwen3_
 Where each layer keeps its memory (`pool_layer_of`):
 - a full-attention layer: a layer of fb.kv_pool. The KV pool holds only the full-attention layers, so the j-th
   full-attention layer of the model is KV pool layer j.
-- a GDN layer: its states in fb.state_pool, which needs only the two methods of `GDNStates` (notebook 05's
-  StatePool provides them). For the k-th GDN layer of the model:
+- a GDN layer: its states in fb.state_pool, which needs only the two methods of a4.core's `GDNStates` (notebook
+  05's StatePool provides them). For the k-th GDN layer of the model:
       conv_state(k)      -> [slots, conv_dim, linear_conv_kernel_dim - 1], model dtype
       recurrent_state(k) -> [slots, linear_num_value_heads, linear_key_head_dim, linear_value_head_dim], float32
-  Row fb.slots[i] belongs to request i; the GDN layer reads it and updates it in place (a4.layers.gdn_backend
-  chooses the layer's own forward or its graph-safe decode).
+  Row fb.slots[i] belongs to request i; the layer's backend (fb.attn_backend, a4.layers.gdn_backend) reads it and
+  updates it in place, with the functions of the step's mode.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Protocol
+from typing import Callable
 
 import torch
 from torch import nn
 
 from a4.core import ForwardBatch
 from a4.layers.deltanet import GatedDeltaNet
-from a4.layers.gdn_backend import gdn_forward
 from a4.layers.gated_attention import GatedAttention, ZeroCenteredRMSNorm
 from a4.layers.mlp import GatedMLP
 from a4.layers.rope import RotaryEmbedding
 from a4.models.config import LINEAR_ATTENTION, ModelConfig
-
-
-class GDNStates(Protocol):
-    """What the model needs of fb.state_pool: each GDN layer's state tensors (views: writes go to the pool)."""
-
-    def conv_state(self, gdn_layer: int) -> torch.Tensor: ...
-
-    def recurrent_state(self, gdn_layer: int) -> torch.Tensor: ...
 
 
 def pool_layer_of(config: ModelConfig) -> dict[int, int]:
@@ -82,7 +73,7 @@ class Qwen3_5DecoderLayer(nn.Module):
         h = self.input_layernorm(x)
         # Both mixers find their memory in fb at their own pool layer: KV for attention, states for GDN.
         if self.is_linear:
-            h = gdn_forward(self.linear_attn, h, fb, self.pool_layer)
+            h = self.linear_attn(h, fb, self.pool_layer)
         else:
             h = self.self_attn(h, cos, sin, fb)
         # The residual adds run in the model dtype, as in transformers.
@@ -137,10 +128,15 @@ class Qwen3_5ForConditionalGeneration(nn.Module):
 
         return checkpoint_key_map(key)
 
-    def forward(self, fb: ForwardBatch) -> torch.Tensor:
+    def forward(
+        self, fb: ForwardBatch, with_hidden: bool = False
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Logits [S, vocab] in float32 for the rows fb.sample_indices (S = len(fb.sample_indices)).
 
         lm_head runs in the model dtype and its output is cast to float32, as transformers' `generate` does
-        before choosing a token.
+        before choosing a token. `with_hidden`: also the final hidden states [S, hidden] those logits come from (a
+        speculative engine's drafter reads them), as (hidden, logits).
         """
-        return self.lm_head(self.model(fb)).float()
+        hidden = self.model(fb)
+        logits = self.lm_head(hidden).float()
+        return (hidden, logits) if with_hidden else logits

@@ -18,6 +18,7 @@ the hybrid model's cache, notebook 07), and a request admitted with a prefix hit
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -26,13 +27,25 @@ from a4.kvcache.allocator import PageAllocator
 from a4.kvcache.radix_cache import BasePrefixCache, CacheHandle, MatchResult
 from a4.scheduler.table import TableManager
 
+if TYPE_CHECKING:
+    from a4.kvcache.state_pool import StatePool
+
 
 def pages_for(num_tokens: int, page_size: int) -> int:
     return -(-num_tokens // page_size)
 
 
 class CacheManager:
-    def __init__(self, allocator: PageAllocator, prefix_cache: BasePrefixCache, table_manager: TableManager) -> None:
+    def __init__(
+        self,
+        allocator: PageAllocator,
+        prefix_cache: BasePrefixCache,
+        table_manager: TableManager,
+        state_pool: StatePool | None = None,
+        lookahead: int = 0,
+    ) -> None:
+        """`state_pool`: a hybrid model's states, given to each request with its slot. `lookahead`: positions a
+        decode step may write beyond the last one a request keeps (speculative decoding's drafts), reserved too."""
         if allocator.page_size != prefix_cache.page_size:
             raise ValueError(
                 f"allocator page_size {allocator.page_size} != prefix cache page_size {prefix_cache.page_size}"
@@ -40,6 +53,8 @@ class CacheManager:
         self.allocator = allocator
         self.prefix_cache = prefix_cache
         self.table_manager = table_manager
+        self.state_pool = state_pool
+        self.lookahead = lookahead
         self.page_size = allocator.page_size
 
     @property
@@ -58,9 +73,13 @@ class CacheManager:
     def unlock(self, handle: CacheHandle) -> None:
         self.prefix_cache.unlock(handle)
 
-    def restore_state(self, req: Req) -> None:
-        """Give a request just admitted with a prefix hit (req.cache_handle) the state saved where the hit ends."""
+    def give_state(self, req: Req) -> None:
+        """Give a request just admitted into its slot the state it starts from, the one place a slot's state is
+        set: on a prefix hit (req.cache_handle) the checkpoint saved where the hit ends (notebook 07), otherwise
+        zeros (notebook 05's `clear_new_requests`; the slot may hold a finished request's state)."""
         self.prefix_cache.restore_state(req.cache_handle, req.slot)
+        if self.state_pool is not None:
+            self.state_pool.clear_new_requests([req])
 
     def prefill_pause(self, req: Req) -> int:
         """The prompt position where the request's prefill should pause for the cache (its length: nowhere)."""
@@ -70,9 +89,9 @@ class CacheManager:
         """Pages the request still needs, from computed_len tokens in the pool to its longest possible length.
 
         The last token a request samples is never fed back, so its KV is never written: at most
-        len(input_ids) + max_new_tokens - 1 positions are stored.
+        len(input_ids) + max_new_tokens - 1 positions are stored, and `lookahead` more written by its last step.
         """
-        max_stored = len(req.input_ids) + req.sampling_params.max_new_tokens - 1
+        max_stored = len(req.input_ids) + req.sampling_params.max_new_tokens - 1 + self.lookahead
         return pages_for(max_stored, self.page_size) - pages_for(computed_len, self.page_size)
 
     def allocate(self, reqs: Sequence[Req], extend_lens: Sequence[int]) -> None:

@@ -1,8 +1,7 @@
-"""DecodeManager: the requests whose prompt is done; each decode step feeds every one of them its last token.
-
-With speculative decoding (`num_draft_tokens` k > 0) a request also feeds up to k drafts after its last token, all
-verified in the same step; never more than it may still generate less one, so that what it writes stays within the
-KV reserved for it at admission (prompt + max_new_tokens - 1 positions).
+"""DecodeManager: the requests whose prompt is done; each decode step feeds every one of them `tokens_per_step`
+tokens: its last token (1), or with speculative decoding its last token and k drafts (k + 1, the same for every
+request, so that a verify step has one shape and can be captured). The scheduler does not know what the extra tokens
+are; the KV reserved at admission covers them (`CacheManager.lookahead`).
 """
 
 from __future__ import annotations
@@ -16,7 +15,7 @@ from a4.scheduler.cache import CacheManager
 @dataclass
 class DecodeManager:
     cache_manager: CacheManager
-    num_draft_tokens: int = 0
+    tokens_per_step: int = 1
     # In the order their prefill finished (a list, not a set, so that batches are reproducible).
     running: list[Req] = field(default_factory=list)
 
@@ -36,12 +35,8 @@ class DecodeManager:
     def schedule_next_batch(self) -> Batch | None:
         if not self.running:
             return None
-        extend_lens = [1 + min(self.num_draft_tokens, self._tokens_left(req) - 1) for req in self.running]
-        return Batch(reqs=list(self.running), phase="decode", extend_lens=extend_lens, sample=[True] * len(extend_lens))
-
-    @staticmethod
-    def _tokens_left(req: Req) -> int:
-        return req.sampling_params.max_new_tokens - len(req.output_ids)
+        num_reqs = len(self.running)
+        return Batch(list(self.running), phase="decode", extend_lens=[self.tokens_per_step] * num_reqs, sample=[True] * num_reqs)
 
     @property
     def runnable(self) -> bool:

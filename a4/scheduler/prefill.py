@@ -72,7 +72,7 @@ class PrefillAdder:
         req.cache_handle = match.handle
         self.table_manager.write(req.slot, 0, match.locations)
         try:
-            self.cache_manager.restore_state(req)
+            self.cache_manager.give_state(req)
         except BaseException:
             # Not admitted after all: the request stays queued as it came, holding nothing.
             self.cache_manager.unlock(match.handle)

@@ -12,13 +12,37 @@ its KV goes to the prefix cache.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import signal
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 from a4.core import Batch, Req
 from a4.scheduler.cache import CacheManager
 from a4.scheduler.decode import DecodeManager
 from a4.scheduler.prefill import PrefillManager
 from a4.scheduler.table import TableManager
+
+
+@contextmanager
+def sigint_deferred() -> Iterator[None]:
+    """Hold Ctrl-C (Kernel -> Interrupt) until the block is done, then raise it.
+
+    Booking a step moves pages between a request and the radix tree in several statements; an interrupt between two
+    of them would leave the two disagreeing on who owns a page. The forward, where nearly all the time goes, stays
+    interruptible. Signal handlers can only be set from the main thread; elsewhere nothing is deferred.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    received = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: received.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if received:
+        signal.raise_signal(signal.SIGINT)
 
 
 class Scheduler:
@@ -29,7 +53,7 @@ class Scheduler:
         *,
         max_prefill_tokens: int,
         eos_token_ids: Sequence[int],
-        num_draft_tokens: int = 0,
+        decode_tokens_per_step: int = 1,
     ) -> None:
         if max_prefill_tokens <= 0:
             raise ValueError(f"max_prefill_tokens must be positive, got {max_prefill_tokens}")
@@ -38,11 +62,18 @@ class Scheduler:
         self.max_prefill_tokens = max_prefill_tokens
         self.eos_token_ids = frozenset(eos_token_ids)
         self.prefill_manager = PrefillManager(cache_manager, table_manager)
-        self.decode_manager = DecodeManager(cache_manager, num_draft_tokens)
+        self.decode_manager = DecodeManager(cache_manager, decode_tokens_per_step)
 
     def add_req(self, req: Req) -> None:
-        """Queue a validated request (see Engine.add_request) for prefill."""
+        """Queue a validated request (see Engine.add_request) for prefill; a request already seen is refused."""
+        if req.finished or req.admitted or req.computed_len or req.output_ids or req in self:
+            state = "finished" if req.finished else "already submitted"
+            raise ValueError(f"request {req.uid} is {state}: a Req is submitted once; add a new request instead")
         self.prefill_manager.add_req(req)
+
+    def __contains__(self, req: Req) -> bool:
+        """Whether req is queued or running here (by identity: two requests may hold equal values)."""
+        return any(r is req for r in (*self.prefill_manager.pending, *self.decode_manager.running))
 
     @property
     def has_unfinished_reqs(self) -> bool:
@@ -71,13 +102,16 @@ class Scheduler:
     ) -> list[Req]:
         """Book a finished forward: tokens now in the pool, sampled tokens (None where not sampled), finishes.
 
-        A decode step of speculative decoding gives each request a list of tokens: the drafts it accepted and the
-        model's own next token. Each token kept commits one more fed position; the list is cut after a token that
-        finishes the request (`keep_tokens`). A request with an error (its logits could not be sampled) finishes
+        A decode step that feeds several tokens per request (speculative decoding) gives each request a list of
+        tokens, those its forward confirmed; each token kept commits one more fed position, and the list is cut
+        after a token that finishes the request (`keep_tokens`). A request with an error (its logits could not be sampled) finishes
         alone with finish_reason "error", and nothing of this step's forward for it enters the prefix cache. Returns
         the requests that finished.
         """
-        errors = errors or [None] * len(batch.reqs)
+        with sigint_deferred():
+            return self._book(batch, next_tokens, errors or [None] * len(batch.reqs))
+
+    def _book(self, batch: Batch, next_tokens: Sequence, errors: Sequence[str | None]) -> list[Req]:
         if batch.phase == "prefill":
             self.prefill_manager.book(batch)
         finished = []

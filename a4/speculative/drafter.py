@@ -28,9 +28,7 @@ from typing import Protocol
 
 import torch
 
-from a4.core import ForwardBatch, Req
-from a4.kvcache.kv_pool import KVPool
-from a4.layers.attention import AttentionBackend
+from a4.core import ForwardMode, Req
 
 
 class Drafter(Protocol):
@@ -80,22 +78,14 @@ class OracleDrafter:
 
 
 class MTPDrafter:
-    """Qwen3.5's MTP module as a drafter; its KV is the engine's KV pool's layer `mtp.pool_layer`."""
+    """Qwen3.5's MTP module as a drafter; its KV is the engine's KV pool's layer `mtp.pool_layer`, and its steps are
+    built by the engine's model runner (a4/engine/model_runner.py)."""
 
-    def __init__(
-        self,
-        mtp: torch.nn.Module,
-        *,
-        num_slots: int,
-        req_to_token: torch.Tensor,
-        kv_pool: KVPool,
-        attn_backend: AttentionBackend,
-    ) -> None:
-        self.mtp = mtp
+    def __init__(self, mtp: torch.nn.Module, runner) -> None:
+        self.mtp, self.runner = mtp, runner
         self.kv_layers = len(mtp.layers)
-        self.req_to_token, self.kv_pool, self.attn_backend = req_to_token, kv_pool, attn_backend
-        hidden_size = mtp.fc.out_features
-        device, dtype = req_to_token.device, mtp.fc.weight.dtype
+        hidden_size, dtype = mtp.fc.out_features, mtp.fc.weight.dtype
+        num_slots, device = runner.table_manager.max_running_requests, runner.device
         # Per slot, from the last `observe`: the first draft and the module's output it came from (the next chained
         # draft's hidden state).
         self.first_draft = torch.zeros(num_slots, dtype=torch.int64, device=device)
@@ -106,13 +96,13 @@ class MTPDrafter:
         starts = [req.computed_len - n for req, n in zip(reqs, committed)]
         next_ids = [t for req, p, n in zip(reqs, starts, committed) for t in req.all_ids[p + 1 : p + n + 1]]
         last_rows = [end - 1 for end in itertools.accumulate(committed)]
-        out = self._forward(next_ids, reqs, starts, committed, hidden, last_rows)
+        out = self._forward(ForwardMode.EXTEND, next_ids, reqs, starts, committed, hidden, last_rows)
         slots = torch.tensor([req.slot for req in reqs], device=hidden.device)
         self.draft_hidden[slots] = out
         self.first_draft[slots] = self.mtp.logits(out).argmax(-1)
 
     def propose(self, reqs: Sequence[Req], num_drafts: Sequence[int]) -> list[list[int]]:
-        slots = torch.tensor([req.slot for req in reqs], device=self.req_to_token.device)
+        slots = torch.tensor([req.slot for req in reqs], device=self.runner.device)
         tokens, hidden = self.first_draft[slots], self.draft_hidden[slots]  # the batch's current draft, per request
         drafts = [tokens]
         # Draft i + 1 (i >= 1) is read at position computed_len + i - 1 from draft i and the module's last output.
@@ -122,30 +112,35 @@ class MTPDrafter:
             chained_reqs = [reqs[r] for r in chained]
             positions = [req.computed_len + i - 1 for req in chained_reqs]
             one_each = [1] * len(chained)
-            out = self._forward(tokens[rows], chained_reqs, positions, one_each, hidden[rows], list(range(len(chained))))
+            out = self._forward(
+                ForwardMode.DECODE, tokens[rows], chained_reqs, positions, one_each, hidden[rows], list(range(len(chained)))
+            )
             hidden = hidden.index_copy(0, rows, out)
             tokens = tokens.index_copy(0, rows, self.mtp.logits(out).argmax(-1))
             drafts.append(tokens)
         table = torch.stack(drafts, dim=1).tolist()
         return [row[:n] for row, n in zip(table, num_drafts)]
 
-    def _forward(
-        self,
-        input_ids: list[int] | torch.Tensor,
-        reqs: Sequence[Req],
-        prefix_lens: list[int],
-        extend_lens: list[int],
-        hidden: torch.Tensor,
-        sample_indices: list[int],
-    ) -> torch.Tensor:
-        fb = ForwardBatch.build(
-            input_ids=input_ids,
-            slots=[req.slot for req in reqs],
-            prefix_lens=prefix_lens,
-            extend_lens=extend_lens,
-            sample_indices=sample_indices,
-            req_to_token=self.req_to_token,
-            kv_pool=self.kv_pool,
-            attn_backend=self.attn_backend,
-        )
+    def _forward(self, mode, input_ids, reqs, prefix_lens, extend_lens, hidden, sample_indices) -> torch.Tensor:
+        fb = self.runner.forward_batch(mode, input_ids, [req.slot for req in reqs], prefix_lens, extend_lens,
+                                       sample_indices)  # fmt: skip
         return self.mtp(fb, hidden)
+
+
+def load_mtp_module(config, model_config, model: torch.nn.Module) -> torch.nn.Module:
+    """The checkpoint's MTP module, the default drafter of an EngineConfig with speculative_tokens: dense Qwen3.5
+    only (a ValueError naming why otherwise)."""
+    if not model_config.is_hybrid:
+        raise ValueError(
+            f"speculative_tokens needs a draft: {model_config.architecture} checkpoints have no MTP module (only "
+            "Qwen3.5's do); give the Engine a drafter (a4.speculative.drafter) or set speculative_tokens=0"
+        )
+    if model_config.is_moe:
+        raise ValueError(
+            "speculative_tokens with a Qwen3.5-MoE checkpoint: a4 does not load its MTP module (its layer stores the "
+            "experts one by one); set speculative_tokens=0"
+        )
+    # Imported here: serving Qwen3 must not depend on Qwen3.5's modules.
+    from a4.models.qwen3_5_mtp import load_mtp
+
+    return load_mtp(model, config.model_dir, dtype=config.torch_dtype, device=config.torch_device)[0]

@@ -15,8 +15,9 @@ from pathlib import Path
 
 import torch
 
-from a4.core import ForwardBatch
+from a4.core import ForwardBatch, ForwardMode
 from a4.course.checks import CheckFailed
+from a4.engine.forward_batch import build_forward_batch
 from a4.kvcache.kv_pool import KVPool
 from a4.models.config import ModelConfig
 from a4.models.registry import load_model
@@ -42,8 +43,9 @@ class SlotTable:
     ) -> ForwardBatch:
         """The ForwardBatch of one step: new_tokens[slot] is a count (layer checks) or token ids (model checks).
 
-        Each slot's request continues where it stopped (its prefix is what the slot holds so far); a step in which
-        every request feeds one token after a prefix is a decode step, any other step a prefill step.
+        Each slot's request continues where it stopped (its prefix is what the slot holds so far). Its mode is
+        chosen as a scheduler would: a step in which every request feeds one token after a prefix is a DECODE step,
+        any other step an EXTEND (prefill) step.
         """
         slots = list(new_tokens)
         tokens = {s: list(range(n)) if isinstance(n, int) else list(n) for s, n in new_tokens.items()}
@@ -53,7 +55,9 @@ class SlotTable:
             locations = [self.free.pop() for _ in range(extend_len)]
             self.req_to_token[slot, prefix_len : prefix_len + extend_len] = torch.tensor(locations, dtype=torch.long)
             self.lens[slot] += extend_len
-        return ForwardBatch.build(
+        decode = all(n == 1 for n in extend_lens) and all(p > 0 for p in prefix_lens)
+        return build_forward_batch(
+            ForwardMode.DECODE if decode else ForwardMode.EXTEND,
             input_ids=[t for slot in slots for t in tokens[slot]],
             slots=slots,
             prefix_lens=prefix_lens,
@@ -89,7 +93,7 @@ def state_tensors(config: ModelConfig, num_slots: int, dtype: torch.dtype) -> tu
 
 
 class ZeroStates:
-    """Stand-in for notebook 05's state pool: what `a4.models.qwen3_5.GDNStates` asks for, zero-initialised."""
+    """Stand-in for notebook 05's state pool: what `a4.core.GDNStates` asks for, zero-initialised."""
 
     def __init__(self, config: ModelConfig, num_slots: int, dtype: torch.dtype) -> None:
         layers = [state_tensors(config, num_slots, dtype) for _ in config.linear_attention_layers]
@@ -101,6 +105,10 @@ class ZeroStates:
 
     def recurrent_state(self, gdn_layer: int) -> torch.Tensor:
         return self.recurrent[gdn_layer]
+
+    def clear(self, slots: list[int]) -> None:
+        for conv, recurrent in zip(self.conv, self.recurrent):
+            conv[slots], recurrent[slots] = 0, 0
 
 
 @functools.cache
@@ -133,6 +141,9 @@ class ModelRunner:
             if slot in sampled:
                 sample_indices += range(row, row + len(tokens))
             row += len(tokens)
+        if self.states is not None:
+            # As the engine does when it gives a request its slot: a request that starts here starts from zeros.
+            self.states.clear([slot for slot in new_tokens if self.table.lens[slot] == 0])
         fb = self.table.step(new_tokens, self.pool, self.states, sample_indices)
         with torch.no_grad():
             logits = self.model(fb)
@@ -145,5 +156,6 @@ class ModelRunner:
         return dict(zip(sampled, logits.split([len(new_tokens[slot]) for slot in sampled])))
 
     def release(self, slot: int) -> None:
-        """End the slot's request. Its table row and states stay as they are, as an engine leaves them."""
+        """End the slot's request. Its table row and states stay as they are, as an engine leaves them (the next
+        request in the slot finds them cleared when it starts)."""
         self.table.lens[slot] = 0

@@ -232,6 +232,53 @@ def chunk_gated_delta_rule(
     # END SOLUTION
 
 
+class GatedDeltaInputs(NamedTuple):
+    """The delta rule's inputs in the form the rule functions above take them (float32, one head per value head)."""
+
+    q: torch.Tensor  # [..., Hv, dk], l2-normalised and scaled by dk^-0.5
+    k: torch.Tensor  # [..., Hv, dk], l2-normalised
+    v: torch.Tensor  # [..., Hv, dv]
+    g: torch.Tensor  # [..., Hv], the log of each token's decay (<= 0)
+    beta: torch.Tensor  # [..., Hv], each token's step size in (0, 1)
+
+
+def gated_delta_inputs(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+) -> GatedDeltaInputs:
+    """The layer's conv output and gate projections -> the inputs of `recurrent_gated_delta_rule` and
+    `chunk_gated_delta_rule`, exactly as transformers' Qwen3_5GatedDeltaNet prepares them.
+
+    q, k [..., Hk, dk] and v [..., Hv, dv] (model dtype): the conv output split into heads; a, b [..., Hv]: the
+    in_proj_a / in_proj_b outputs; A_log, dt_bias [Hv]: the layer's parameters. In float32: q and k l2-normalised
+    (x * rsqrt(sum(x^2) + 1e-6): transformers' l2norm, whose eps sits inside the root), q scaled by dk^-0.5, value
+    head h reading key head h // (Hv / Hk) (repeat_interleave, not repeat: consecutive value heads share a key head);
+    beta = sigmoid(b) (in b's dtype, then float32); g = -exp(A_log) * softplus(a + dt_bias).
+
+    Given, not an exercise: every backend of the layer that runs the students' rule functions calls it (a GPU
+    kernel does the same arithmetic inside itself), so it is written once.
+    """
+    group = v.shape[-2] // k.shape[-2]
+
+    def normalised(x: torch.Tensor) -> torch.Tensor:
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + 1e-6)
+        return x.repeat_interleave(group, dim=-2)
+
+    return GatedDeltaInputs(
+        q=normalised(q) * q.shape[-1] ** -0.5,
+        k=normalised(k),
+        v=v.float(),
+        g=-A_log.float().exp() * F.softplus(a.float() + dt_bias),
+        beta=b.sigmoid().float(),
+    )
+
+
 class GatedRMSNorm(nn.Module):
     """RMSNorm over each value head's dv channels, then a silu gate from z (`linear_attn.norm` in the checkpoint)."""
 
@@ -276,62 +323,33 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(self.head_v_dim, config.rms_norm_eps)
         self.out_proj = nn.Linear(config.linear_value_dim, config.hidden_size, bias=False)
 
-    def forward(
-        self, hidden: torch.Tensor, fb: ForwardBatch, conv_state: torch.Tensor, recurrent_state: torch.Tensor
-    ) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, fb: ForwardBatch, gdn_layer: int) -> torch.Tensor:
         """hidden [T, hidden_size] (model dtype) -> [T, hidden_size], as transformers' Qwen3_5GatedDeltaNet.
 
-        conv_state [slots, conv_dim, K-1] (model dtype) and recurrent_state [slots, Hv, dk, dv] (float32) are this
-        layer's state pool tensors. Request i (fb.extend_lens[i] tokens) reads and then overwrites, in place, row
-        fb.slots[i] of both; a request with fb.prefix_lens[i] == 0 starts from zero states, whatever its row holds
-        (a reused slot still holds its previous request's states).
+        The layer's states are layer `gdn_layer` of fb.state_pool; the two steps that read and update them go
+        through the step's backend (`fb.attn_backend`, a4/layers/gdn_backend.py), which runs the functions above
+        for the step's mode (`fb.mode`) on each request's slot:
+            x = fb.attn_backend.conv(mixed_qkv, self.conv1d.weight, gdn_layer, fb)            # [T, conv_dim]
+            o = fb.attn_backend.delta_rule(q, k, v, a, b, self.A_log, self.dt_bias, gdn_layer, fb)  # [T, Hv, dv] fp32
+        The backend continues each request from what its slot holds (zeros for a request that starts here: the
+        engine clears a slot when it gives it out, notebook 05).
 
-        in_proj_qkv -> conv (`causal_conv1d_prefill`, or `causal_conv1d_decode` when fb.phase == "decode") -> split
-        into q [T, Hk, dk], k [T, Hk, dk], v [T, Hv, dv]. In float32: l2-normalise q and k (x * rsqrt(sum(x^2) +
-        1e-6)), q *= dk^-0.5, repeat each key head to Hv / Hk consecutive value heads; beta = sigmoid(b) and
-        g = -exp(A_log) * softplus(a + dt_bias). The delta rule runs chunked for prefill and as the recurrence for
-        decode; its output, cast to the model dtype, goes through the gated norm with z, then out_proj.
+        in_proj_qkv -> conv -> split into q [T, Hk, dk], k [T, Hk, dk], v [T, Hv, dv] (model dtype; the q rows of
+        the conv output first, then k, then v) -> the delta rule with a = in_proj_a(hidden) and b =
+        in_proj_b(hidden) [T, Hv] (the backend turns them into the gates with `gated_delta_inputs`) -> its output,
+        cast to the model dtype, through the gated norm with z = in_proj_z(hidden) per value head, then out_proj.
         """
-        # BEGIN SOLUTION gdn-layer 04_gated_deltanet: the Gated DeltaNet layer over a ForwardBatch, states in place
+        # BEGIN SOLUTION gdn-layer 04_gated_deltanet: the Gated DeltaNet layer over a ForwardBatch, through its backend
         num_tokens = hidden.shape[0]
+        backend = fb.attn_backend
+        x = backend.conv(self.in_proj_qkv(hidden), self.conv1d.weight, gdn_layer, fb)
         key_dim = self.num_k_heads * self.head_k_dim
-        slots = fb.slots
-        # A request with no prefix starts from zero: never read what a reused slot still holds.
-        fresh = torch.tensor([p == 0 for p in fb.prefix_lens], device=hidden.device)
-
-        mixed_qkv = self.in_proj_qkv(hidden)
-        conv_in = conv_state[slots].masked_fill_(fresh[:, None, None], 0)
-        if fb.phase == "decode":
-            mixed_qkv, conv_out = causal_conv1d_decode(mixed_qkv, self.conv1d.weight, conv_in)
-        else:
-            mixed_qkv, conv_out = causal_conv1d_prefill(mixed_qkv, self.conv1d.weight, conv_in, fb.extend_lens)
-        conv_state[slots] = conv_out
-
-        q, k, v = mixed_qkv.split([key_dim, key_dim, self.num_v_heads * self.head_v_dim], dim=-1)
-
-        def prepare_qk(x: torch.Tensor) -> torch.Tensor:
-            x = x.reshape(num_tokens, self.num_k_heads, self.head_k_dim).float()
-            x = x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + 1e-6)
-            # Value head j reads key head j // (Hv / Hk).
-            return x.repeat_interleave(self.num_v_heads // self.num_k_heads, dim=1)
-
-        q = prepare_qk(q) * self.head_k_dim**-0.5
-        k = prepare_qk(k)
-        v = v.reshape(num_tokens, self.num_v_heads, self.head_v_dim).float()
-        beta = self.in_proj_b(hidden).sigmoid().float()
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(hidden).float() + self.dt_bias)
-
-        state_in = recurrent_state[slots].masked_fill_(fresh[:, None, None, None], 0)
-        if fb.phase == "decode":
-            # One token per request: the requests are the batch of the recurrence.
-            one_token = (x[:, None] for x in (q, k, v, g, beta))  # [B, 1, ...]
-            o, state_out = recurrent_gated_delta_rule(*one_token, state_in)
-            o = o[:, 0]
-        else:
-            cu_seqlens = torch.tensor([0, *fb.extend_lens], device=hidden.device).cumsum(0)
-            o, state_out = chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens, state_in)
-        recurrent_state[slots] = state_out
-
+        q, k, v = x.split([key_dim, key_dim, self.num_v_heads * self.head_v_dim], dim=-1)
+        q = q.reshape(num_tokens, self.num_k_heads, self.head_k_dim)
+        k = k.reshape(num_tokens, self.num_k_heads, self.head_k_dim)
+        v = v.reshape(num_tokens, self.num_v_heads, self.head_v_dim)
+        a, b = self.in_proj_a(hidden), self.in_proj_b(hidden)
+        o = backend.delta_rule(q, k, v, a, b, self.A_log, self.dt_bias, gdn_layer, fb)
         z = self.in_proj_z(hidden).reshape(num_tokens, self.num_v_heads, self.head_v_dim)
         o = self.norm(o.to(hidden.dtype), z)
         return self.out_proj(o.reshape(num_tokens, -1))

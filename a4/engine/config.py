@@ -1,0 +1,96 @@
+"""EngineConfig: the engine's settings, checked on construction (`LLM(model_dir, **options)` takes its fields)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from a4.dtypes import resolve_dtype
+from a4.models.registry import usable_device
+
+# How the prefix cache serves a hybrid model: "checkpoint" (hits only where a copy of the state was saved, notebook
+# 07) or "refuse" (no hits at all: always correct, never faster).
+HYBRID_PREFIX_POLICIES = ("checkpoint", "refuse")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """The engine's settings, checked on construction (a bad value is a ValueError naming it)."""
+
+    model_dir: str | Path
+    dtype: str | torch.dtype = "float32"
+    device: str | torch.device = "cpu"
+    max_running_requests: int = 8
+    max_prefill_tokens: int = 512
+    page_size: int = 1
+    enable_prefix_cache: bool = True
+    memory_budget_bytes: int | None = None
+    # Hybrid models: the largest share of the budget (of what the state checkpoints leave) that request slots, with
+    # their states, may take, the rest going to KV pages (`plan_hybrid_memory`, notebook 06); None:
+    # `max_running_requests` slots first (`plan_memory`).
+    state_fraction: float | None = None
+    # Hybrid models: how the prefix cache reuses prefixes (HYBRID_PREFIX_POLICIES), and under "checkpoint" how many
+    # state checkpoints it keeps at most (least recently used evicted first; their bytes come out of the budget).
+    hybrid_prefix_policy: str = "checkpoint"
+    max_state_checkpoints: int = 16
+    # Decode steps as CUDA graphs (graph_runner.py). None: on where CUDA is. False on CUDA: the same static-buffer
+    # runner, not captured. True on the CPU: that runner too (nothing to capture), the GPU's decode path run eagerly.
+    cuda_graphs: bool | None = None
+    # Speculative decoding (a4/speculative, notebook 11): drafts per decode step, verified in one forward; 0: off.
+    # Qwen3.5 drafts with its checkpoint's MTP module unless the Engine is given another drafter. Greedy only.
+    speculative_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        if not Path(self.model_dir).is_dir():
+            raise ValueError(f"model_dir {str(self.model_dir)!r} is not a directory")
+        resolve_dtype(self.dtype)
+        usable_device(self.device)
+        for name in ("max_running_requests", "max_prefill_tokens", "page_size"):
+            value = getattr(self, name)
+            if not _is_int(value) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.memory_budget_bytes is not None and (
+            not _is_int(self.memory_budget_bytes) or self.memory_budget_bytes <= 0
+        ):
+            raise ValueError(
+                f"memory_budget_bytes must be a positive integer or None, got {self.memory_budget_bytes!r}"
+            )
+        if not isinstance(self.enable_prefix_cache, bool):
+            raise ValueError(f"enable_prefix_cache must be True or False, got {self.enable_prefix_cache!r}")
+        if self.state_fraction is not None and (
+            isinstance(self.state_fraction, bool)
+            or not isinstance(self.state_fraction, (int, float))
+            or not 0 < self.state_fraction < 1
+        ):
+            raise ValueError(f"state_fraction must be a number in (0, 1) or None, got {self.state_fraction!r}")
+        if self.hybrid_prefix_policy not in HYBRID_PREFIX_POLICIES:
+            raise ValueError(
+                f"unknown hybrid_prefix_policy {self.hybrid_prefix_policy!r} (expected one of {HYBRID_PREFIX_POLICIES})"
+            )
+        checkpoints = self.max_state_checkpoints
+        if not _is_int(checkpoints) or checkpoints < 0:
+            raise ValueError(f"max_state_checkpoints must be a non-negative integer, got {checkpoints!r}")
+        if not _is_int(self.speculative_tokens) or self.speculative_tokens < 0:
+            raise ValueError(f"speculative_tokens must be a non-negative integer, got {self.speculative_tokens!r}")
+        if self.speculative_tokens and self.state_fraction is not None:
+            raise ValueError(
+                "state_fraction cannot be combined with speculative_tokens: notebook 06's plan_hybrid_memory does not "
+                "count the verify states and the draft's KV; leave state_fraction=None (slots first)"
+            )
+        if not (self.cuda_graphs is None or isinstance(self.cuda_graphs, bool)):
+            raise ValueError(f"cuda_graphs must be True, False or None, got {self.cuda_graphs!r}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return resolve_dtype(self.dtype)
+
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device(self.device)
+
+
+def _is_int(value: object) -> bool:
+    # bool is an int in Python, but `page_size=True` is a mistake, not 1.
+    return isinstance(value, int) and not isinstance(value, bool)

@@ -1,0 +1,114 @@
+"""The one place a step's ForwardBatch is made: from host lists for an eager step, from static buffers for the
+static-buffer runner (a4/engine/graph_runner.py), whose steps a CUDA graph may capture.
+
+The model runner builds every step's context here, and so do the drafter, the course's hand-stepped checks and the
+benches, through `build_forward_batch`. The mode is given by the caller, from the scheduler's batch: it is never
+guessed from the lengths (a one-token prompt tail after a prefix hit is an EXTEND step, not a decode step).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from a4.core import AttentionBackend, ForwardBatch, ForwardMode, GDNStates
+
+
+def build_forward_batch(
+    mode: ForwardMode,
+    *,
+    input_ids: list[int] | torch.Tensor,
+    slots: list[int],
+    prefix_lens: list[int],
+    extend_lens: list[int],
+    sample_indices: list[int],
+    req_to_token: torch.Tensor,
+    kv_pool: object | None,
+    state_pool: GDNStates | None = None,
+    attn_backend: AttentionBackend | None = None,
+) -> ForwardBatch:
+    """The context of an eager step: request i feeds extend_lens[i] tokens at positions prefix_lens[i] onwards, in
+    slot slots[i], whose row of req_to_token already holds the locations of those positions. `attn_backend`
+    defaults to torch's attention with, for a hybrid model (a state pool given), notebook 04's GDN functions."""
+    if mode is not ForwardMode.EXTEND and len(set(extend_lens)) > 1:
+        raise ValueError(f"a {mode.name} step feeds every request the same number of tokens, got {extend_lens}")
+    if mode is ForwardMode.DECODE and (extend_lens[0] != 1 or min(prefix_lens) == 0):
+        raise ValueError(f"a DECODE step feeds one token after a prefix, got {extend_lens} after {prefix_lens}")
+    if attn_backend is None:
+        attn_backend = default_backend(state_pool)
+    device = req_to_token.device
+
+    def tensor(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64, device=device)
+
+    # Built on the host and copied once: one small arange per request would be a launch per request on a GPU.
+    positions = tensor([pos for p, n in zip(prefix_lens, extend_lens) for pos in range(p, p + n)])
+    seq_lens = [p + n for p, n in zip(prefix_lens, extend_lens)]
+    slots_t = tensor(slots)
+    fb = ForwardBatch(
+        mode=mode,
+        input_ids=torch.as_tensor(input_ids, dtype=torch.int64).to(device),
+        positions=positions,
+        slots=slots_t,
+        seq_lens=tensor(seq_lens),
+        cu_seqlens=tensor([0, *extend_lens]).cumsum(0),
+        max_seq_len=max(seq_lens),
+        out_cache_loc=req_to_token[slots_t.repeat_interleave(tensor(extend_lens)), positions],
+        sample_indices=tensor(sample_indices),
+        req_to_token=req_to_token,
+        kv_pool=kv_pool,
+        state_pool=state_pool,
+        attn_backend=attn_backend,
+        extend_lens=list(extend_lens),
+        prefix_lens=list(prefix_lens),
+    )
+    attn_backend.prepare(fb)
+    return fb
+
+
+def static_forward_batch(
+    mode: ForwardMode,
+    *,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    slots: torch.Tensor,
+    max_seq_len: int,
+    req_to_token: torch.Tensor,
+    kv_pool: object,
+    state_pool: GDNStates | None,
+    attn_backend: AttentionBackend,
+) -> ForwardBatch:
+    """The context of a DECODE or TARGET_VERIFY step over static buffers: every request feeds L = T / B tokens
+    (input_ids, positions [T], request after request; slots [B]). Everything is computed on the device from the
+    buffers, and no host list exists to be frozen into a graph; keys are read up to the bound `max_seq_len`."""
+    batch_size, num_tokens = slots.shape[0], input_ids.shape[0]
+    per_request = num_tokens // batch_size
+    last_positions = positions.view(batch_size, per_request)[:, -1]
+    fb = ForwardBatch(
+        mode=mode,
+        input_ids=input_ids,
+        positions=positions,
+        slots=slots,
+        seq_lens=last_positions + 1,
+        cu_seqlens=torch.arange(batch_size + 1, device=slots.device) * per_request,
+        max_seq_len=max_seq_len,
+        out_cache_loc=req_to_token[slots.repeat_interleave(per_request), positions],
+        sample_indices=torch.arange(num_tokens, device=slots.device),
+        req_to_token=req_to_token,
+        kv_pool=kv_pool,
+        state_pool=state_pool,
+        attn_backend=attn_backend,
+    )
+    attn_backend.prepare(fb)
+    return fb
+
+
+def default_backend(state_pool: GDNStates | None) -> AttentionBackend:
+    """torch's attention and, with a state pool (a hybrid model), notebook 04's GDN functions: the eager CPU path."""
+    # Imported here: the layers import a4.core, and the GDN backend needs notebook 04's exercise module.
+    from a4.layers.attention import TorchAttnBackend
+
+    if state_pool is None:
+        return TorchAttnBackend()
+    from a4.layers.gdn_backend import HybridAttnBackend, TorchGDNBackend
+
+    return HybridAttnBackend(TorchAttnBackend(), TorchGDNBackend())

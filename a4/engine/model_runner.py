@@ -1,0 +1,139 @@
+"""ModelRunner: the model and its memory, and the one forward of a scheduler batch.
+
+It owns the model, the memory plan and what it pays for (the request-slot table, the KV pool, the state pool of a
+hybrid model, the page allocator), the backends and the static-buffer runner (graph_runner.py). `forward(batch)`
+builds the step's ForwardBatch (forward_batch.py), its mode set once from the batch, and runs the model on it:
+
+    Batch (scheduler) --> ForwardMode: prefill -> EXTEND; decode -> DECODE, or TARGET_VERIFY with drafts
+                      --> ForwardBatch (slots, positions, KV locations, pools, backend: prepared once)
+                      --> model: attention layers -> attention backend -> KV pool
+                                 Gated DeltaNet layers -> GDN backend -> state pool
+                      --> final hidden states and float32 logits of the rows asked for
+
+DECODE and TARGET_VERIFY steps go through the static-buffer runner where it is on (always on CUDA, captured as CUDA
+graphs unless cuda_graphs=False; on the CPU with cuda_graphs=True, run eagerly, which is how CI tests it), other
+steps are eager. After SGLang's ModelRunner; the Engine (engine.py) drives it.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+from a4.core import Batch, ForwardMode
+from a4.engine.config import EngineConfig
+from a4.engine.factories import create_backends, create_kv_pool, create_memory_plan, create_state_pool
+from a4.engine.forward_batch import build_forward_batch
+from a4.engine.graph_runner import GraphRunner
+from a4.kvcache.allocator import PageAllocator
+from a4.models.config import ModelConfig
+from a4.scheduler.cache import pages_for
+from a4.scheduler.table import TableManager
+
+
+class ModelOutput(NamedTuple):
+    hidden: torch.Tensor  # [S, hidden]: final hidden states (after the model's norm) of the rows asked for
+    logits: torch.Tensor  # [S, vocab] float32
+
+
+def forward_mode(batch: Batch) -> ForwardMode:
+    """The step's mode, from the scheduler's batch alone: the one place it is decided."""
+    if batch.phase == "prefill":
+        return ForwardMode.EXTEND
+    return ForwardMode.DECODE if batch.extend_lens[0] == 1 else ForwardMode.TARGET_VERIFY
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, model: nn.Module, draft_kv_layers: int = 0):
+        """`draft_kv_layers`: attention layers of a draft model (Qwen3.5's MTP module) whose KV lives in the same
+        pool, after the main model's layers (the memory plan counts them)."""
+        self.model_config, self.model = model_config, model
+        self.device, dtype, page_size = config.torch_device, config.torch_dtype, config.page_size
+        self.ledger, self.memory_plan = create_memory_plan(config, model_config, draft_kv_layers)
+        plan = self.memory_plan
+        # The longest request (prompt + output) the engine can hold: what the model accepts, and what fits in the
+        # pool on its own. Whole pages, because pages are recorded in the table whole.
+        context = min(model_config.max_position_embeddings, plan.num_tokens)
+        self.max_context_len = context - context % page_size
+        if self.max_context_len == 0:
+            raise ValueError(
+                f"page_size {page_size} is larger than the longest context this engine can hold, {context} tokens "
+                f"(max_position_embeddings {model_config.max_position_embeddings}, KV pool "
+                f"{plan.num_tokens} tokens): lower page_size or raise memory_budget_bytes"
+            )
+        self.tokens_per_decode = config.speculative_tokens + 1
+        on_cuda = self.device.type == "cuda"
+        static = on_cuda or config.cuda_graphs is True
+        # Padded requests of a static batch need a slot and KV locations that no request owns, beyond the plan
+        # (SGLang keeps a padding slot likewise): one slot, and pages for its tokens_per_decode positions.
+        padding_pages = pages_for(self.tokens_per_decode, page_size) if static else 0
+        num_slots = plan.max_running_requests + int(static)
+        self.kv_pool = create_kv_pool(model_config, plan.num_pages + padding_pages, page_size, dtype, self.device,
+                                      draft_kv_layers)  # fmt: skip
+        self.state_pool = create_state_pool(model_config, num_slots, dtype, self.device)
+        if self.state_pool is not None and config.speculative_tokens:
+            self.state_pool.allocate_verify_states(self.tokens_per_decode)
+        self.backend, static_backend = create_backends(model_config, self.device, dtype)
+        self.table_manager = TableManager(num_slots, self.max_context_len, self.device)
+        self.allocator = PageAllocator(plan.num_pages + padding_pages, page_size)
+        self.graph_runner = None
+        if static:
+            padding_slot = self.table_manager.allocate()
+            padding_locations = self.allocator.pages_to_locations(self.allocator.allocate(padding_pages))
+            self.table_manager.write(padding_slot, 0, padding_locations)
+            modes = {ForwardMode.DECODE: 1}
+            if config.speculative_tokens:
+                modes = {ForwardMode.TARGET_VERIFY: self.tokens_per_decode}
+            self.graph_runner = GraphRunner(
+                model,
+                tokens_per_request=modes,
+                max_batch=plan.max_running_requests,
+                max_seq_len=self.max_context_len,
+                req_to_token=self.table_manager.req_to_token,
+                kv_pool=self.kv_pool,
+                state_pool=self.state_pool,
+                backend=static_backend,
+                padding_slot=padding_slot,
+                # A mixture of experts splits its tokens by expert with sizes read on the host (graph_runner.py).
+                capture=on_cuda and config.cuda_graphs is not False and not model_config.is_moe,
+            )
+
+    def forward(self, batch: Batch, input_ids: list[int] | None = None, every_row: bool = False) -> ModelOutput:
+        """Run the model on the batch's tokens: the requests' next ones unless `input_ids` gives them (a verify
+        step: last tokens and drafts). The rows returned are the last of each sampled request (their logits
+        predict its next token), or with `every_row` all of them (a speculative engine's drafter reads them)."""
+        mode = forward_mode(batch)
+        reqs, extend_lens = batch.reqs, batch.extend_lens
+        if input_ids is None:
+            input_ids = [t for req, n in zip(reqs, extend_lens) for t in req.all_ids[req.computed_len :][:n]]
+        prefix_lens = [req.computed_len for req in reqs]
+        if mode is not ForwardMode.EXTEND and self.graph_runner is not None:
+            # Every row of a decode or verify step is wanted: each request samples from each of its tokens.
+            positions = [p + j for p, n in zip(prefix_lens, extend_lens) for j in range(n)]
+            return ModelOutput(*self.graph_runner.forward(mode, input_ids, positions, [req.slot for req in reqs]))
+        if every_row:
+            sample_indices = list(range(len(input_ids)))
+        else:
+            ends = itertools.accumulate(extend_lens)
+            sample_indices = [end - 1 for end, sampled in zip(ends, batch.sample) if sampled]
+        fb = self.forward_batch(mode, input_ids, [req.slot for req in reqs], prefix_lens, extend_lens, sample_indices)
+        return ModelOutput(*self.model(fb, with_hidden=True))
+
+    def forward_batch(self, mode: ForwardMode, input_ids, slots, prefix_lens, extend_lens, sample_indices):
+        """A ForwardBatch over this runner's table, pools and eager backend (the drafter's steps are built here
+        too)."""
+        return build_forward_batch(
+            mode,
+            input_ids=input_ids,
+            slots=slots,
+            prefix_lens=prefix_lens,
+            extend_lens=extend_lens,
+            sample_indices=sample_indices,
+            req_to_token=self.table_manager.req_to_token,
+            kv_pool=self.kv_pool,
+            state_pool=self.state_pool,
+            attn_backend=self.backend,
+        )

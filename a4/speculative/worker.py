@@ -1,0 +1,130 @@
+"""SpeculativeWorker: the steps of a speculative engine (notebook 11), drafted, verified in one forward, committed.
+
+A decode step asks the drafter (a4/speculative/drafter.py) for k tokens per request and feeds every request its last
+token and its drafts: a TARGET_VERIFY step of k + 1 tokens each, through the same static-buffer runner as a plain
+decode step (captured on CUDA). Greedy verification keeps the drafts that agree with the model's own tokens plus the
+model's token after them (`greedy_accept`). KV of rejected positions is simply overwritten later; a Gated DeltaNet
+state cannot be cut, so the verify pass kept the state after every position in the state pool's verify buffers, and
+the pool commits the one after the last kept token (`StatePool.commit_verified`, notebook 11's `spec-commit`) before
+the scheduler books the step, so that a prefix-cache checkpoint only ever holds a committed state. Then the drafter
+catches up with what was committed (`Drafter.observe`), from the final hidden state of every committed row.
+
+A drafter may propose fewer than k tokens for a request (the protocol's "up to"): the missing ones are fed as token
+0 and never accepted. More than k is the drafter's bug, refused with an error naming it.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from a4.core import Batch, ForwardMode, Req
+from a4.engine.model_runner import ModelRunner, forward_mode
+from a4.engine.sampling import Sampler
+from a4.engine.worker import Book, ModelWorker, StepResult
+from a4.speculative.drafter import Drafter
+from a4.speculative.verify import greedy_accept
+
+# The token fed where a drafter proposed fewer than k: any valid id will do, as greedy_accept never accepts a -1 draft.
+FILLER_TOKEN = 0
+
+
+class SpeculativeWorker(ModelWorker):
+    def __init__(
+        self,
+        runner: ModelRunner,
+        sampler: Sampler,
+        drafter: Drafter,
+        num_draft_tokens: int,
+        keep_tokens,
+    ) -> None:
+        """`keep_tokens(req, tokens)`: the tokens req keeps of those offered, cut after one that finishes it (the
+        scheduler's rule)."""
+        super().__init__(runner, sampler)
+        self.drafter, self.num_draft_tokens, self.keep_tokens = drafter, num_draft_tokens, keep_tokens
+
+    def check_request(self, req: Req) -> str | None:
+        if req.sampling_params.temperature > 0:
+            return (
+                f"temperature {req.sampling_params.temperature} with speculative decoding: this engine verifies "
+                "drafts greedily (temperature 0) only; build it with speculative_tokens=0 to sample"
+            )
+        return None
+
+    def run_batch(self, batch: Batch, book: Book) -> StepResult:
+        drafted = accepted = 0
+        if forward_mode(batch) is ForwardMode.EXTEND:
+            out = self.runner.forward(batch, every_row=True)
+            ends = list(itertools.accumulate(batch.extend_lens))
+            last_rows = [end - 1 for end, sampled in zip(ends, batch.sample) if sampled]
+            next_tokens, errors = self.sample(batch, out.logits[last_rows])
+            committed = list(batch.extend_lens)
+        else:
+            drafts = self._drafts(batch.reqs)
+            drafted = sum(t >= 0 for d in drafts for t in d)
+            input_ids = [
+                t if t >= 0 else FILLER_TOKEN
+                for req, d in zip(batch.reqs, drafts)
+                for t in (req.all_ids[req.computed_len], *d)
+            ]
+            out = self.runner.forward(batch, input_ids, every_row=True)
+            next_tokens, errors, accepted = self._accept(batch, drafts, out.logits)
+            committed = [len(tokens) for tokens in next_tokens]
+        finished = book(next_tokens, errors)
+        self._observe(batch, committed, out.hidden)
+        return StepResult(finished, sum(committed), drafted, accepted)
+
+    def _drafts(self, reqs: list[Req]) -> list[list[int]]:
+        """k tokens per request, -1 where there is no draft: the drafter's, for as many tokens as the request may
+        still keep after the model's own (at most k), padded where it proposed fewer."""
+        k = self.num_draft_tokens
+        wanted = [min(k, req.sampling_params.max_new_tokens - len(req.output_ids) - 1) for req in reqs]
+        proposed = self.drafter.propose(reqs, wanted)
+        if len(proposed) != len(reqs):
+            raise ValueError(
+                f"{type(self.drafter).__name__}.propose returned drafts for {len(proposed)} requests, not {len(reqs)}"
+            )
+        for req, draft, n in zip(reqs, proposed, wanted):
+            if len(draft) > n:
+                raise ValueError(
+                    f"{type(self.drafter).__name__}.propose returned {len(draft)} drafts for request {req.uid}, "
+                    f"but {n} were asked for (speculative_tokens={k}): a drafter proposes at most that many"
+                )
+        return [list(d) + [-1] * (k - len(d)) for d in proposed]
+
+    def _accept(self, batch: Batch, drafts: list[list[int]], logits: torch.Tensor):
+        """Greedy verification: each request keeps the drafts that agree with the model's own tokens, then the
+        model's token after them, cut at a token that finishes it; the state pool commits the states after the
+        last token kept."""
+        reqs, width = batch.reqs, self.num_draft_tokens + 1
+        row_reqs = [req for req in reqs for _ in range(width)]
+        samples = self.sampler.sample(logits, row_reqs)
+        errors, targets = [], []
+        for i in range(len(reqs)):
+            mine = samples[i * width : (i + 1) * width]
+            errors.append(next((s.error for s in mine if s.error is not None), None))
+            targets.append([s.token if s.token is not None else -1 for s in mine])
+        device = self.runner.device
+        accepted = greedy_accept(torch.tensor(drafts, device=device), torch.tensor(targets, device=device)).tolist()
+        next_tokens = [
+            self.keep_tokens(req, d[:a] + [t[a]])
+            for req, d, t, a in zip(reqs, drafts, targets, accepted)
+        ]
+        if self.runner.state_pool is not None:
+            slots = torch.tensor([req.slot for req in reqs], device=device)
+            # At least the model's own token is kept: the last committed one was fed at verify position 0.
+            kept_lens = torch.tensor([max(len(tokens), 1) for tokens in next_tokens], device=device)
+            self.runner.state_pool.commit_verified(slots, kept_lens)
+        return next_tokens, errors, sum(accepted)
+
+    def _observe(self, batch: Batch, committed: list[int], hidden: torch.Tensor) -> None:
+        """The drafter catches up, once the step is booked, over each unfinished request's committed rows (the first
+        of its block)."""
+        reqs = batch.reqs
+        width = batch.extend_lens
+        starts = [end - n for end, n in zip(itertools.accumulate(width), width)]
+        going_on = [i for i, req in enumerate(reqs) if not req.finished and committed[i] > 0]
+        if going_on:
+            rows = [row for i in going_on for row in range(starts[i], starts[i] + committed[i])]
+            self.drafter.observe([reqs[i] for i in going_on], [committed[i] for i in going_on], hidden[rows])
