@@ -90,6 +90,8 @@ class Req:
     # the step or the call that ran it, or the caller aborted it: `error` says which); None while it runs.
     finish_reason: FinishReason | None = None
     error: str | None = None
+    # The scheduler the request was submitted to (a request is submitted once, to one engine).
+    owner: object | None = field(default=None, repr=False, compare=False)
 
     @property
     def admitted(self) -> bool:

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import pytest
 
 from a4 import LLM, SamplingParams
-from a4.core import Req
+from a4.core import ForwardMode, Req
 from a4.reference import hf_greedy
 from a4.speculative.drafter import OracleDrafter
 
@@ -189,8 +189,9 @@ class Once:
 
 
 def phase_of(args) -> str:
-    """The phase of the forward a decoder layer's hook sees: its last argument is the step's ForwardBatch."""
-    return args[-1].phase
+    """The phase of the forward a decoder layer's hook sees (its last argument is the step's ForwardBatch): "prefill"
+    for an EXTEND step, "decode" otherwise."""
+    return "prefill" if args[-1].mode is ForwardMode.EXTEND else "decode"
 
 
 @pytest.fixture(scope="module", params=["qwen3", "qwen3_5"])

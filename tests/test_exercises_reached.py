@@ -133,13 +133,14 @@ class Run:
 
 
 def run_configuration(name: str, workloads: dict[str, tuple[Path, Workload]]) -> Run:
-    """Both turns of the workload through a fresh LLM of configuration `name`."""
+    """Both turns of the workload through a fresh LLM of configuration `name`, its memory plan described."""
     configuration = CONFIGURATIONS[name]
     checkpoint, work = workloads[configuration.model]
     drafter = None
     if configuration.oracle_correct is not None:
         drafter = OracleDrafter(work.reference, correct=configuration.oracle_correct, vocab_size=work.vocab_size)
     llm = LLM(checkpoint, drafter=drafter, **configuration.options)
+    llm.memory_plan.describe()  # the plan as the demo and notebook 06 show it, with its break-even length
     params = SamplingParams(max_new_tokens=MAX_NEW_TOKENS)
     return Run([out for prompts in work.turns for out in llm.generate(prompts, params)], llm)
 
@@ -305,13 +306,13 @@ def reach(exercise: Exercise, run: Callable[[str], Run]) -> str | None:
 def test_the_raise_reaches_every_reference_to_the_function():
     """The technique itself: a region made to raise does so through another module's `from x import f` copy (the
     engine's greedy_accept), as a static method, and called directly; and the code is restored after."""
-    import a4.engine.engine as engine_module
+    import a4.speculative.worker as worker_module
     from a4.kvcache.state_pool import StatePool
     from a4.speculative.verify import causal_conv1d_verify
 
     by_id = {exercise.id: exercise for exercise in EXERCISES}
     calls = {
-        "spec-greedy-accept": lambda: engine_module.greedy_accept(torch.zeros(1, 2, dtype=torch.int64),
+        "spec-greedy-accept": lambda: worker_module.greedy_accept(torch.zeros(1, 2, dtype=torch.int64),
                                                                   torch.zeros(1, 3, dtype=torch.int64)),
         "state-bytes-per-slot": lambda: StatePool.bytes_per_slot(None, torch.float32),
         "spec-conv-verify": lambda: causal_conv1d_verify(torch.zeros(1, 2, 3), torch.zeros(3, 1, 4),

@@ -261,17 +261,17 @@ def test_engine_check_passes_on_a4(tiny_qwen3_5):
 
 
 def test_engine_check_rejects_a_commit_one_position_off(tiny_qwen3_5, monkeypatch):
-    import a4.engine.engine as engine_module
+    import a4.speculative.verify as verify  # the state pool's commit calls it by this name
 
-    monkeypatch.setattr(engine_module, "commit_verified_states_", shifted_commit(1))
+    monkeypatch.setattr(verify, "commit_verified_states_", shifted_commit(1))
     with pytest.raises(CheckFailed, match="differs from transformers at output token"):
         checks.check_speculative_greedy(tiny_qwen3_5, k=2)
 
 
 def test_engine_check_rejects_an_acceptance_that_accepts_nothing(tiny_qwen3_5, monkeypatch):
     """Accepting no draft keeps the tokens right (one per step): only the count of accepted drafts shows it."""
-    import a4.engine.engine as engine_module
+    import a4.speculative.worker as worker  # the speculative worker's name for notebook 11's function
 
-    monkeypatch.setattr(engine_module, "greedy_accept", lambda draft_ids, target_ids: draft_ids.new_zeros(len(draft_ids)))
+    monkeypatch.setattr(worker, "greedy_accept", lambda draft_ids, target_ids: draft_ids.new_zeros(len(draft_ids)))
     with pytest.raises(CheckFailed, match=r"the engine accepted 0 of \d+ drafted tokens; their right prefixes hold"):
         checks.check_speculative_greedy(tiny_qwen3_5, k=1)

@@ -108,8 +108,8 @@ class Engine:
         me = threading.current_thread()
         if self._owner is not None and self._owner is not me:
             raise RuntimeError(
-                f"this engine is serving thread {self._owner.name!r}: an Engine (and an LLM) serves one thread at a "
-                "time; use one per thread, or serialise the calls"
+                f"this engine is serving another thread ({self._owner.name!r}): an Engine (and an LLM) is not "
+                "thread-safe and serves one thread at a time; use one per thread, or serialise the calls"
             )
         if self._in_step:
             raise RuntimeError(
@@ -231,7 +231,8 @@ class Engine:
         """Step until every one of reqs has finished (each must come from this engine's `add_request`)."""
         with self.serving():
             for req in reqs:
-                if not req.finished and req not in self.scheduler:
-                    raise ValueError(f"request {req.uid} was not submitted to this engine: use add_request")
+                if req.owner is not self.scheduler and not (req.finished and req.owner is None):
+                    raise ValueError(f"request {req.uid} was not submitted to this engine (another engine's, or made "
+                                     "by hand): use this engine's add_request")
             while not all(req.finished for req in reqs):
                 self.step()

@@ -66,14 +66,12 @@ class Scheduler:
 
     def add_req(self, req: Req) -> None:
         """Queue a validated request (see Engine.add_request) for prefill; a request already seen is refused."""
-        if req.finished or req.admitted or req.computed_len or req.output_ids or req in self:
-            state = "finished" if req.finished else "already submitted"
+        if req.owner is not None or req.finished or req.admitted or req.computed_len or req.output_ids:
+            where = "to another engine" if req.owner not in (None, self) else "already"
+            state = "finished" if req.finished else f"submitted {where}"
             raise ValueError(f"request {req.uid} is {state}: a Req is submitted once; add a new request instead")
+        req.owner = self
         self.prefill_manager.add_req(req)
-
-    def __contains__(self, req: Req) -> bool:
-        """Whether req is queued or running here (by identity: two requests may hold equal values)."""
-        return any(r is req for r in (*self.prefill_manager.pending, *self.decode_manager.running))
 
     @property
     def has_unfinished_reqs(self) -> bool:
