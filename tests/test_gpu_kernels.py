@@ -413,17 +413,16 @@ def test_fla_prefill_matches_the_token_by_token_recurrence(preset, dtype):
     cu_seqlens = torch.tensor([0, *seq_lens], device=DEVICE).cumsum(0)
     total = sum(seq_lens)
     slots = torch.tensor([3, 0, 5, 1, 2], device=DEVICE)
-    fresh = torch.tensor([False, False, True, False, False], device=DEVICE)  # its row holds a stale request's states
 
     conv_state = randn(NUM_SLOTS, dim, kernel - 1, dtype=dtype, seed=100)
     state = randn(NUM_SLOTS, hv, dk, dv, seed=101, scale=0.3)
-    conv_initial = conv_state[slots].masked_fill(fresh[:, None, None], 0)
-    initial = state[slots].masked_fill(fresh[:, None, None, None], 0)
+    conv_state[5], state[5] = 0, 0  # a request that starts here: the engine cleared its slot when it gave it out
+    conv_initial, initial = conv_state[slots].clone(), state[slots].clone()
     saved_conv, saved_state = conv_state.clone(), state.clone()
 
     x = randn(total, dim, dtype=dtype, seed=102)
     weight = randn(dim, 1, kernel, dtype=dtype, seed=103, scale=kernel**-0.5)
-    y = causal_conv1d_prefill_by_slot_(x, weight, conv_state, slots, cu_seqlens, fresh=fresh)
+    y = causal_conv1d_prefill_by_slot_(x, weight, conv_state, slots, cu_seqlens)
     y_expected, conv_final = naive_conv_prefill(x, weight, conv_initial, cu_seqlens)
     torch.testing.assert_close(y, y_expected, **conv_tolerance(dtype))
     torch.testing.assert_close(conv_state[slots], conv_final)
@@ -434,7 +433,7 @@ def test_fla_prefill_matches_the_token_by_token_recurrence(preset, dtype):
     a, b = randn(total, hv, dtype=dtype, seed=107), randn(total, hv, dtype=dtype, seed=108)
     A_log = torch.empty(hv, device=DEVICE).uniform_(0.05, 0.8, generator=gen(109)).log().to(dtype)
     dt_bias = torch.empty(hv, device=DEVICE).uniform_(-1.5, 0.5, generator=gen(110)).to(dtype)
-    o = chunk_gated_delta_rule_by_slot_(q, k, v, a, b, A_log, dt_bias, state, slots, cu_seqlens, fresh=fresh)
+    o = chunk_gated_delta_rule_by_slot_(q, k, v, a, b, A_log, dt_bias, state, slots, cu_seqlens)
     o_expected, final = naive_gated_delta_rule_prefill(q, k, v, a, b, A_log, dt_bias, initial, cu_seqlens)
     assert o.shape == (total, hv, dv)
     # fla runs the rule in its inputs' dtype (float32 products may use tf32): agreement to that dtype's precision.
