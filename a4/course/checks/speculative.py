@@ -15,7 +15,7 @@ Ground truths:
   with an oracle drafter forcing every acceptance pattern (drafts right for their first j tokens, j = 0..k); the
   drafts accepted against the length of the drafts' right prefixes, counted here as the drafter proposes them.
 
-Every function runs as many tensor operations for 4 requests as for 1: no Python loop over the requests (the
+Every function runs as many tensor operations for 5 requests as for 2: no Python loop over the requests (the
 recurrence walks the L verify positions, which is the same for any batch).
 """
 
@@ -40,7 +40,7 @@ from a4.course.checks.deltanet import (
     delta_rule_tolerance,
     transformers_recurrence,
 )
-from a4.course.checks.gpu import aten_ops, gdn_shapes, transformers_conv, transformers_rule
+from a4.course.checks.gpu import batch_loop_problems, gdn_shapes, transformers_conv, transformers_rule
 from a4.course.checks.state_pool import MAX_NEW_TOKENS, read_config, reference_tokens, shared_prompts, text_config
 from a4.course.checks.state_pool import token_problems
 from a4.speculative.drafter import OracleDrafter
@@ -58,9 +58,6 @@ COMMIT_LEN = 4
 KEPT_LENS = [1, 4, 2]
 # Tokens fed after the commit in the poisoned-state check.
 CONTINUATION = 3
-# Batch sizes whose operation counts must agree (a Python loop over the requests makes them differ). Not 1: a batch
-# of one makes some slices contiguous, and a reshape then runs no copy.
-LOOP_BATCHES = (2, 5)
 
 
 # ------------------------------------------------------------------------------------------------ the references
@@ -104,13 +101,9 @@ def accepted_by_loop(draft_ids: torch.Tensor, target_ids: torch.Tensor) -> list[
 
 
 def loop_problems(fn: Callable, make_kwargs: Callable[[int], dict]) -> list[str]:
-    """A problem when fn(**make_kwargs(batch)) runs more tensor operations for more requests."""
-    counts = {batch: len(aten_ops(fn, make_kwargs(batch))) for batch in LOOP_BATCHES}
-    if len(set(counts.values())) == 1:
-        return []
-    described = ", ".join(f"{n} for {batch} request(s)" for batch, n in counts.items())
-    return [f"its number of tensor operations grows with the batch ({described}): a Python loop over the requests. "
-            "Work on every request at once: each request is a row of the same tensor operations"]
+    """A problem when fn(**make_kwargs(batch)) runs a different number of tensor operations for another batch size."""
+    return batch_loop_problems(fn, make_kwargs, "Work on every request at once: each request is a row of the same "
+                                                "tensor operations")
 
 
 # ------------------------------------------------------------------------------------------- the verify functions
