@@ -527,7 +527,8 @@ def counting_oracle(checkpoint: str | Path, correct: int) -> CountingOracle:
     return CountingOracle({tuple(p): out for p, out in zip(prompts, expected)}, correct, vocab)
 
 
-@after_notebooks(*ENGINE, "05")
+# The engine's verify pass runs notebook 10's GDN decode step by slot at every position (a4/layers/gdn_backend.py).
+@after_notebooks(*ENGINE, "05", "10")
 def check_speculative_greedy(checkpoint: str | Path, k: int = ENGINE_K) -> None:
     """For every acceptance length j = 0..k: drafts right for their first j tokens, and the engine's tokens equal to
     transformers' greedy ones, token by token (prompts of 1 to 300 tokens through 3 slots, chunked prefill); the
