@@ -233,6 +233,18 @@ def test_notebook_10_states_the_figures_of_its_h200_run():
     assert not stale.search(text)
 
 
+def test_the_tour_and_every_next_section_link_the_notebooks():
+    """Notebook 00's map links every notebook after it, and each notebook ends with a "## Next" section that links the
+    one after it (Jupyter and the book both follow a link to a notebook file): none is reached only by its number."""
+    [tour] = [cell.source for cell in read_notebook(NOTEBOOKS[0]).cells if "the map of the course" in cell.source]
+    assert [nb.name for nb in NOTEBOOKS[1:] if f"]({nb.name})" not in tour] == []
+    for notebook, following in zip(NOTEBOOKS[1:], NOTEBOOKS[2:]):
+        last = read_notebook(notebook).cells[-1]
+        assert last.cell_type == "markdown" and last.source.startswith("## Next\n"), notebook.name
+        assert f"]({following.name})" in last.source, f"{notebook.name}'s Next section does not link {following.name}"
+    assert read_notebook(NOTEBOOKS[-1]).cells[-1].source.startswith("## Next\n")
+
+
 def test_bench_commands_in_the_notebooks_exist():
     names = set(benchmark_names())
     for nb in NOTEBOOKS:
