@@ -198,6 +198,53 @@ def test_intra_chunk_hint_is_a_collapsed_cell_in_jupyterlab():
     assert "hide-cell" in cell.metadata["tags"]
 
 
+def markdown_of(notebook: str) -> str:
+    cells = read_notebook(REPO_ROOT / "notebooks" / notebook).cells
+    return "\n".join(cell.source for cell in cells if cell.cell_type == "markdown")
+
+
+def test_notebook_10_states_the_figures_of_its_h200_run():
+    """The prose of notebook 10 quotes the H200 run it draws (solutions/report/h200_gpu.json), as the cells print
+    them: the kernels of a decode step, their GPU time and wall time each, the copy and GEMM rates, the floors."""
+    h200 = json.loads((SOLUTIONS_ROOT / "report" / "h200_gpu.json").read_text())
+    floor = h200["floor"]
+    [eager] = [p for p in h200["launch_profile"] if p["system"] == "a4_no_graphs"]
+    [captured] = [p for p in h200["launch_profile"] if p["system"] == "a4"]
+    # One profile of the same step: with and without CUDA graphs it launches the same kernels.
+    assert eager["kernels"] == captured["kernels"]
+    text = " ".join(markdown_of("10_gpu.ipynb").split())  # prose lines rewrapped
+    stated = [
+        f"launches {eager['kernels']:,} kernels at batch 1",
+        f"{eager['kernel_ms'] / eager['kernels'] * 1e3:.1f} µs of GPU time each",
+        f"{eager['wall_ms'] / eager['kernels'] * 1e3:.0f} µs of wall time per kernel",
+        f"{eager['wall_ms'] / eager['kernels'] * 1e3:.0f} µs: the launch",
+        f"{floor['weight_bytes'] / 1e9:.2f} GB of bf16 weights",
+        f"copy rate of {floor['hbm_bytes_per_s'] / 1e12:.2f} TB/s",
+        f"about {floor['decode_floor_ms']['1']:.2f} ms",
+        f"measured {floor['bf16_flop_per_s'] / 1e12:.0f} TFLOP/s",
+        f"2,048 tokens take about {floor['prefill_floor_ms']['2048']:.1f} ms",
+        # 2 FLOPs per weight per token, over the prefill floor's time at the GEMM rate.
+        f"(~{floor['prefill_floor_ms']['2048'] / 1e3 * floor['bf16_flop_per_s'] / (2 * 2048) / 1e9:.1f}B of them)",
+        # 128k tokens of K and V (2 x 2 KV heads x 256 dims x 2 bytes per token) in one attention layer.
+        f"about {2**17 * 2 * 2 * 256 * 2 / floor['hbm_bytes_per_s'] * 1e6:.0f} µs each at the measured copy rate",
+    ]
+    assert [figure for figure in stated if figure not in text] == []
+    stale = re.compile(r"couple of thousand kernels|multiply-adds of weight GEMMs|few microseconds a launch", re.I)
+    assert not stale.search(text)
+
+
+def test_the_tour_and_every_next_section_link_the_notebooks():
+    """Notebook 00's map links every notebook after it, and each notebook ends with a "## Next" section that links the
+    one after it (Jupyter and the book both follow a link to a notebook file): none is reached only by its number."""
+    [tour] = [cell.source for cell in read_notebook(NOTEBOOKS[0]).cells if "the map of the course" in cell.source]
+    assert [nb.name for nb in NOTEBOOKS[1:] if f"]({nb.name})" not in tour] == []
+    for notebook, following in zip(NOTEBOOKS[1:], NOTEBOOKS[2:]):
+        last = read_notebook(notebook).cells[-1]
+        assert last.cell_type == "markdown" and last.source.startswith("## Next\n"), notebook.name
+        assert f"]({following.name})" in last.source, f"{notebook.name}'s Next section does not link {following.name}"
+    assert read_notebook(NOTEBOOKS[-1]).cells[-1].source.startswith("## Next\n")
+
+
 def test_bench_commands_in_the_notebooks_exist():
     names = set(benchmark_names())
     for nb in NOTEBOOKS:

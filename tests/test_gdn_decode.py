@@ -1,7 +1,8 @@
 """The GDN decode step by slot (notebook 10): its checks (a4.course.checks.gpu) pass on a4's functions, and reject
 the usual mistakes of a graph-safe step, each planted in an otherwise right copy: a Python loop over the requests,
-a host sync (`.tolist()`, `.item()`), a write into a copy of the pool, writes to rows outside the batch, a missing
-scale; and a graph break or a trace that holds the slot values as constants, shown to the tracing check directly.
+a host sync (`.tolist()`, `.item()`), a write into a copy of the pool or of its rows (told from no write at all),
+writes to rows outside the batch, a missing scale; and a graph break or a trace that holds the slot values as
+constants, shown to the tracing check directly.
 """
 
 from __future__ import annotations
@@ -61,10 +62,11 @@ def test_decode_step_by_slot_runs_on_the_state_pool_of_a_model():
     before = pool.recurrent_state(1).clone()
     slots = [3, 1]
     expected_o, expected_states = checks.transformers_rule(inputs, before[slots])
-    o = gated_delta_rule_update_by_slot_(**{**inputs, "state": pool.recurrent_state(1)}, slots=torch.tensor(slots))
+    with checks.PoolWrites(gated_delta_rule_update_by_slot_, [pool.recurrent_state(1)]) as writes:
+        o = gated_delta_rule_update_by_slot_(**{**inputs, "state": pool.recurrent_state(1)}, slots=torch.tensor(slots))
     allowed = checks.rule_tolerance(config.linear_key_head_dim)
     assert not checks.compare("o", o, expected_o, allowed)
-    assert not checks.pool_problems("pool", pool.recurrent_state(1), before, slots, expected_states, allowed)
+    assert not checks.pool_problems("pool", pool.recurrent_state(1), before, slots, expected_states, allowed, writes)
     assert not pool.recurrent_state(0).any() and not pool.recurrent_state(2).any()  # other layers untouched
 
 
@@ -80,6 +82,14 @@ def loop_over_requests_conv(x, weight, conv_state, slots):
         ys.append(F.silu(F.conv1d(window, weight, groups=window.shape[1])[:, :, 0]))
         conv_state.index_copy_(0, row, window[:, :, 1:])
     return torch.cat(ys)
+
+
+def index_assignment_conv(x, weight, conv_state, slots):
+    """Right, written with indexing by the slots tensor: graph-safe (the index kernel reads the slots on the device),
+    though PyTorch runs one operation more for it at batch 1 than at other batch sizes."""
+    window = torch.cat([conv_state[slots], x[:, :, None]], dim=2)
+    conv_state[slots] = window[:, :, 1:]
+    return F.silu(F.conv1d(window, weight, groups=window.shape[1])[:, :, 0])
 
 
 def tolist_conv(x, weight, conv_state, slots):
@@ -100,6 +110,19 @@ def copy_of_pool_rule(q, k, v, a, b, A_log, dt_bias, state, slots):
     return gated_delta_rule_update_by_slot_(q, k, v, a, b, A_log, dt_bias, state, slots)
 
 
+def copy_of_rows_conv(x, weight, conv_state, slots):
+    """Writes the new rows into what `conv_state[slots]` returns: a copy of the rows, not the pool."""
+    window = torch.cat([conv_state[slots], x[:, :, None]], dim=2)
+    conv_state[slots].copy_(window[:, :, 1:])
+    return F.silu(F.conv1d(window, weight, groups=window.shape[1])[:, :, 0])
+
+
+def unwritten_conv(x, weight, conv_state, slots):
+    """Right outputs, and the new conv states never written anywhere."""
+    window = torch.cat([conv_state.index_select(0, slots), x[:, :, None]], dim=2)
+    return F.silu(F.conv1d(window, weight, groups=window.shape[1])[:, :, 0])
+
+
 def first_rows_conv(x, weight, conv_state, slots):
     """Writes rows 0..B-1 instead of the slots' rows."""
     rows = torch.arange(x.shape[0])
@@ -113,7 +136,7 @@ def unscaled_q_rule(q, k, v, a, b, A_log, dt_bias, state, slots):
 @pytest.mark.parametrize(
     "conv, rule, says",
     [
-        (loop_over_requests_conv, gated_delta_rule_update_by_slot_, "a Python loop over the requests"),
+        (loop_over_requests_conv, gated_delta_rule_update_by_slot_, "tensor operations differs with the batch"),
         (tolist_conv, gated_delta_rule_update_by_slot_, "`rows = slots.tolist()`"),
         (item_checked_conv, gated_delta_rule_update_by_slot_, "host sync"),
     ],
@@ -123,15 +146,34 @@ def test_capture_check_rejects(conv, rule, says):
         checks.check_graph_safe(conv, rule)
 
 
+def test_checks_accept_indexing_by_the_slots_tensor():
+    checks.check_conv_by_slot(index_assignment_conv)
+    checks.check_graph_safe(index_assignment_conv, gated_delta_rule_update_by_slot_)
+
+
 def test_capture_check_names_the_line_of_a_host_sync():
     with pytest.raises(CheckFailed) as failure:
         checks.check_graph_safe(item_checked_conv, gated_delta_rule_update_by_slot_)
     assert "`if slots.max().item() >= conv_state.shape[0]:`" in str(failure.value)
 
 
-def test_value_checks_reject_a_write_into_a_copy_of_the_pool():
-    with pytest.raises(CheckFailed, match="the pool is unchanged: write the new states into the pool tensor"):
+def test_value_checks_reject_a_write_into_a_copy_of_the_pool_naming_the_line():
+    with pytest.raises(CheckFailed) as failure:
         checks.check_rule_by_slot(copy_of_pool_rule)
+    first = str(failure.value).splitlines()[0]
+    assert "the pool is unchanged: the new rows were written into a copy of it (line " in first, first
+    assert "`state = state.clone()" in first, first
+    with pytest.raises(CheckFailed) as failure:
+        checks.check_conv_by_slot(copy_of_rows_conv)
+    first = str(failure.value).splitlines()[0]
+    assert "written into a copy of it (line " in first and "`conv_state[slots].copy_(window[:, :, 1:])`" in first
+
+
+def test_value_checks_tell_a_pool_never_written_from_a_copy():
+    with pytest.raises(CheckFailed) as failure:
+        checks.check_conv_by_slot(unwritten_conv)
+    first = str(failure.value).splitlines()[0]
+    assert "the pool is unchanged: nothing was written into it (nor into a copy of it)" in first, first
 
 
 def test_value_checks_reject_writes_outside_the_batch():

@@ -3,8 +3,9 @@ files only (tampering changes nothing and is reported), every check has a bounde
 reported TIMEOUT and the next check runs, even when the loop ignores the interrupt), the run and each notebook have
 a budget, and the report and the JUnit file keep one entry per check id, in the groups required / other / optional.
 
-Each grading covers notebook 01 of a handout from `release` (tests/handout_commands.py); the budget per notebook is
-tested on two small notebooks of its own.
+Each grading covers notebook 01 of a handout from `release` (tests/handout_commands.py); the budget per notebook and
+the names of failing cells are tested on small notebooks of their own. Each student's report goes to their own
+directory, and no report of one student is overwritten by another's.
 """
 
 from __future__ import annotations
@@ -19,17 +20,20 @@ import pytest
 from handout_commands import environment, make_handout, solve
 
 from a4._overlay import REPO_ROOT
-from a4.course.grade import EXTENSIONS_FROM, REQUIRED_CHECKS
+from a4.course.grade import EXTENSIONS_FROM, REPORT_NAME, REQUIRED_CHECKS, print_report, report_student
 from a4.course.nbval_plugin import NOT_RUN, TIMEOUT
-from a4.course.notebooks import check_cells, notebook_paths, read_notebook, run_notebooks
+from a4.course.notebooks import cell_places, check_cells, notebook_paths, read_notebook, run_notebooks
 
 NOTEBOOK = "01_config.ipynb"
 CHECKS = list(check_cells(read_notebook(REPO_ROOT / "notebooks" / NOTEBOOK)))
 
 
-def grade(student: Path, junit: Path, *options: str, notebook: str = "01") -> tuple[int, str]:
-    """`python -m a4.course grade STUDENT` run from the course repository, on one notebook (01 by default)."""
-    command = [sys.executable, "-m", "a4.course", "grade", str(student), "--notebook", notebook, "--junit", str(junit)]
+def grade(student: Path, junit: Path | None, *options: str, notebook: str = "01") -> tuple[int, str]:
+    """`python -m a4.course grade STUDENT` run from the course repository, on one notebook (01 by default); junit
+    None: the report where grade puts it by default."""
+    command = [sys.executable, "-m", "a4.course", "grade", str(student), "--notebook", notebook]
+    if junit is not None:
+        command += ["--junit", str(junit)]
     env = environment(REPO_ROOT, PYTHONPATH=str(REPO_ROOT))
     run = subprocess.run([*command, *options], cwd=REPO_ROOT, env=env, capture_output=True, text=True)
     return run.returncode, run.stdout + run.stderr
@@ -201,3 +205,53 @@ def test_a_notebook_that_spends_its_budget_leaves_the_next_notebook_its_own(tmp_
     spent = "NOT RUN: the budget of 1.5 s for this notebook was spent"
     assert outcomes["01_loops.ipynb::after-the-loop"] == (NOT_RUN, spent)
     assert outcomes["02_fine.ipynb::fine"] == ("", "")
+
+
+def test_a_failing_cell_that_is_not_a_check_is_named_by_the_heading_above_it(tmp_path: Path, capsys) -> None:
+    """As a student finds it in the notebook: the nearest heading above it, and which code cell under that heading,
+    not nbval's count of code cells ("Cell 5")."""
+    cells = [
+        nbformat.v4.new_markdown_cell("# A notebook"),
+        nbformat.v4.new_code_cell("x = 1"),
+        nbformat.v4.new_markdown_cell("## 1. Setting up\n\nSome prose."),
+        nbformat.v4.new_code_cell("y = 2"),
+        nbformat.v4.new_code_cell("raise ValueError('the second cell of section 1')"),
+        nbformat.v4.new_markdown_cell("Prose without a heading: still section 1."),
+        nbformat.v4.new_code_cell("raise KeyError('the third cell of section 1')"),
+        nbformat.v4.new_markdown_cell("## 2. The check\n\n```python\n# a comment in a fence, not a heading\n```"),
+        nbformat.v4.new_code_cell("raise RuntimeError('the only cell of section 2')"),
+    ]
+    path = tmp_path / "01_headings.ipynb"
+    nbformat.write(nbformat.v4.new_notebook(cells=cells), path)
+
+    results = run_notebooks([path], tmp_path, solutions=False, workers=1)
+    print_report([], results, [], {path.name: cell_places(read_notebook(path))})
+
+    out = capsys.readouterr().out
+    lines = out.split("errors in other cells (not graded):\n")[1].splitlines()
+    assert lines[:3] == [
+        f'  {path.name}, under "1. Setting up", its 2nd code cell: ValueError: the second cell of section 1',
+        f'  {path.name}, under "1. Setting up", its 3rd code cell: KeyError: \'the third cell of section 1\'',
+        f'  {path.name}, under "2. The check": RuntimeError: the only cell of section 2',
+    ], out
+    assert "Cell " not in out
+
+
+def test_each_students_report_is_their_own(tmp_path: Path) -> None:
+    """Without --junit, a student's report goes to their own directory; a report that names another student is never
+    written over, and grade stops before running anything. (--budget 0: no cell runs, only the reports matter.)"""
+    alice, bob = (make_handout(tmp_path / name) for name in ("alice", "bob"))
+    for student in (alice, bob):
+        status, out = grade(student, None, "--budget", "0")
+        assert status == 1 and f"JUnit report: {student / REPORT_NAME}" in out, out
+        assert report_student(student / REPORT_NAME) == str(student)
+    kept = (alice / REPORT_NAME).read_bytes()
+
+    shared = tmp_path / "reports" / "report.xml"  # its directory made by grade
+    assert grade(alice, shared, "--budget", "0")[0] == 1 and report_student(shared) == str(alice)
+    status, out = grade(bob, shared, "--budget", "0")
+    assert status == 2 and f"{shared} is the report of {alice}: grading {bob} would overwrite it" in out, out
+    assert "checks;" not in out  # stopped before the run
+    assert report_student(shared) == str(alice)
+    assert grade(alice, shared, "--budget", "0")[0] == 1  # the same student again: the report is theirs to replace
+    assert (alice / REPORT_NAME).read_bytes() == kept

@@ -2,8 +2,11 @@
 04's one-token functions (`causal_conv1d_decode`, `recurrent_gated_delta_rule`) run one verify position at a time,
 and loops over the requests for acceptance and the commit. Then the notebook's checks (a4.course.checks.speculative)
 pass on a4's functions and reject the usual mistakes, each planted in an otherwise right copy: a commit one position
-too far or too short, states before each position instead of after, a loop over the requests, an acceptance that
-counts every agreeing draft, a verify that updates the pool's state in place.
+too far or too short (or indexing past the last position), a commit into a copy of the pool told from no commit at
+all, states before each position instead of after, the input state at every position, states in the wrong dtype, a
+loop over the requests (of tensor operations, or over `.tolist()`), an acceptance that counts every agreeing draft or
+accepts a -1 draft, a verify that updates the pool's state in place; and the engine check's error when the engine
+fails on a wrong greedy_accept.
 """
 
 from __future__ import annotations
@@ -209,6 +212,26 @@ def test_conv_check_names_states_before_each_position():
         checks.check_conv_verify(states_before)
 
 
+def test_conv_check_names_states_left_at_the_input_state():
+    def unchanged_states(x, weight, conv_state):
+        y, _ = causal_conv1d_verify(x, weight, conv_state)
+        return y, conv_state[:, None].expand(-1, x.shape[1], -1, -1).clone()
+
+    with pytest.raises(CheckFailed, match="is the input state at every position j: the values are unchanged"):
+        checks.check_conv_verify(unchanged_states)
+
+
+def test_conv_check_rejects_states_in_another_dtype():
+    def float32_states(x, weight, conv_state):
+        y, states = causal_conv1d_verify(x, weight, conv_state)
+        return y, states.float()
+
+    with pytest.raises(CheckFailed) as failure:
+        checks.check_conv_verify(float32_states)
+    assert "bfloat16, L = 1: the states are torch.float32; they must be torch.bfloat16" in str(failure.value)
+    assert "float32, L = 1: the states" not in str(failure.value)  # float32 inputs: float32 states are right
+
+
 def test_rule_check_rejects_an_update_of_the_initial_state():
     def in_place(q, k, v, g, beta, initial_state):
         o, states = gated_delta_rule_verify(q, k, v, g, beta, initial_state)
@@ -227,6 +250,33 @@ def test_accept_check_rejects_counting_every_agreeing_draft():
         checks.check_greedy_accept(count_all)
 
 
+def test_accept_check_rejects_accepting_a_minus_one_draft_against_a_minus_one_target():
+    def agreeing_prefix(draft_ids, target_ids):  # forgets that -1 is no token
+        return (draft_ids == target_ids[:, :-1]).long().cumprod(dim=1).sum(dim=1)
+
+    with pytest.raises(CheckFailed, match=r"a -1 draft against a -1 target .*: accepted \[3\], expected \[1\]"):
+        checks.check_greedy_accept(agreeing_prefix)
+
+
+def tolist_accept(draft_ids, target_ids):
+    """Right counts, one request at a time in Python: no tensor operation per request for a count to see."""
+    accepted = []
+    for drafts, targets in zip(draft_ids.tolist(), target_ids.tolist()):
+        a = 0
+        while a < len(drafts) and drafts[a] == targets[a] and drafts[a] != -1:
+            a += 1
+        accepted.append(a)
+    return torch.tensor(accepted, dtype=torch.int64)
+
+
+def test_accept_check_rejects_a_python_loop_over_tolist():
+    with pytest.raises(CheckFailed) as failure:
+        checks.check_greedy_accept(tolist_accept)
+    message = str(failure.value)
+    assert message.startswith("run on `meta` tensors (shapes, no values), it reads tensor values into Python (line ")
+    assert "`for drafts, targets in zip(draft_ids.tolist(), target_ids.tolist()):`" in message.splitlines()[0]
+
+
 def test_accept_check_rejects_a_loop_over_the_requests():
     def per_request(draft_ids, target_ids):
         return torch.cat([greedy_accept(draft_ids[i : i + 1], target_ids[i : i + 1]) for i in range(len(draft_ids))])
@@ -240,8 +290,60 @@ def test_commit_check_rejects_a_write_into_a_copy_of_the_pool():
         pools = conv_state.clone(), recurrent_state.clone()
         commit_verified_states_(*pools, conv_states, recurrent_states, slots, kept_lens)
 
-    with pytest.raises(CheckFailed, match="the pool is unchanged"):
+    with pytest.raises(CheckFailed) as failure:
         checks.check_commit(into_copy)
+    first = str(failure.value).splitlines()[0]
+    assert "the pool is unchanged: the new rows were written into a copy of it (line " in first, first
+    assert "`pools = conv_state.clone(), recurrent_state.clone()`" in first, first
+
+
+def test_commit_check_rejects_a_write_into_copies_of_the_rows():
+    def into_rows(conv_state, recurrent_state, conv_states, recurrent_states, slots, kept_lens):
+        rows = torch.arange(len(slots))
+        conv_state[slots].copy_(conv_states[rows, kept_lens - 1])  # conv_state[slots] is a copy of the rows
+        recurrent_state[slots].copy_(recurrent_states[rows, kept_lens - 1])
+
+    with pytest.raises(CheckFailed) as failure:
+        checks.check_commit(into_rows)
+    lines = str(failure.value).splitlines()
+    assert "conv_state: the pool is unchanged: the new rows were written into a copy of it (line " in lines[0]
+    assert "`conv_state[slots].copy_(conv_states[rows, kept_lens - 1])" in lines[0]
+    recurrent = [line for line in lines if "recurrent_state: the pool is unchanged" in line]
+    assert recurrent and "`recurrent_state[slots].copy_(recurrent_states[rows, kept_lens - 1])`" in recurrent[0]
+
+
+def test_commit_check_tells_a_commit_that_writes_nothing_from_a_copy():
+    def nothing(conv_state, recurrent_state, conv_states, recurrent_states, slots, kept_lens):
+        rows = torch.arange(len(slots))
+        return conv_states[rows, kept_lens - 1], recurrent_states[rows, kept_lens - 1]  # computed, never written
+
+    with pytest.raises(CheckFailed, match="the pool is unchanged: nothing was written into it"):
+        checks.check_commit(nothing)
+
+
+def past_the_end_commit(conv_state, recurrent_state, conv_states, recurrent_states, slots, kept_lens):
+    """Indexes the states by the count of kept tokens instead of the position of the last one."""
+    rows = torch.arange(len(slots))
+    conv_state.index_copy_(0, slots, conv_states[rows, kept_lens])
+    recurrent_state.index_copy_(0, slots, recurrent_states[rows, kept_lens])
+
+
+def test_commit_checks_name_an_index_past_the_last_position():
+    with pytest.raises(CheckFailed) as failure:
+        checks.check_commit(past_the_end_commit)
+    lines = str(failure.value).splitlines()
+    assert lines[0].startswith("likely cause: an IndexError wherever a request keeps all L tokens: kept_lens counts "
+                               "tokens"), lines[0]
+    assert "`states[rows, kept_lens - 1]`, not `states[rows, kept_lens]`" in lines[0]
+    assert any("every draft accepted, conv states in float32 (kept_lens [3, 3, 3] of L = 3): IndexError" in line
+               for line in lines)
+    assert any("no draft accepted" in line and "one position too far" in line for line in lines)  # no IndexError
+    with pytest.raises(CheckFailed) as failure:
+        checks.check_poisoned_state(causal_conv1d_verify, gated_delta_rule_verify, past_the_end_commit)
+    lines = str(failure.value).splitlines()
+    assert lines[0].startswith("likely cause: kept_lens counts tokens"), lines[0]
+    assert lines[1] == "  - likely cause: " + lines[0][len("likely cause: ") :].split(" (and ")[0]
+    assert lines[2].startswith("  - the commit of kept_lens [1, 4, 2] of L = 4 raised IndexError: index 4 is out")
 
 
 def test_commit_check_rejects_writes_outside_the_batch():
@@ -266,6 +368,59 @@ def test_engine_check_rejects_a_commit_one_position_off(tiny_qwen3_5, monkeypatc
     monkeypatch.setattr(verify, "commit_verified_states_", shifted_commit(1))
     with pytest.raises(CheckFailed, match="differs from transformers at output token"):
         checks.check_speculative_greedy(tiny_qwen3_5, k=2)
+
+
+def test_engine_check_failing_for_notebook_10_says_to_fix_notebook_10_first(tiny_qwen3_5, monkeypatch):
+    """The verify pass runs notebook 10's conv by slot at every position: a conv without its silu there makes the
+    engine's tokens wrong, and the failure names notebook 10's check before its own."""
+    import torch.nn.functional as F
+
+    import a4.layers.gdn_decode
+
+    def conv_without_silu(x, weight, conv_state, slots):
+        window = torch.cat([conv_state.index_select(0, slots), x[:, :, None]], dim=2)
+        conv_state.index_copy_(0, slots, window[:, :, 1:])
+        return F.conv1d(window, weight, groups=window.shape[1])[:, :, 0]
+
+    monkeypatch.setattr(a4.layers.gdn_decode, "conv_update_by_slot_", conv_without_silu)
+    with pytest.raises(CheckFailed) as failure:
+        checks.check_speculative_greedy(tiny_qwen3_5, k=1)
+    lines = str(failure.value).splitlines()
+    assert lines[0].startswith("fix notebook 10's failing checks first (gdn-conv-by-slot)"), lines[0]
+    assert any(line.startswith("  - notebook 10, gdn-conv-by-slot: CheckFailed") for line in lines)
+    assert any(line.startswith("this check's own failure: CheckFailed") for line in lines)
+
+
+def test_engine_check_explains_the_engine_failing_on_a_wrong_greedy_accept(tiny_qwen3_5, monkeypatch):
+    """An acceptance one too large makes the engine index past the model's tokens: the check says which of the
+    student's functions fails its own check, instead of the engine's bare IndexError."""
+    import a4.engine.engine as engine_module
+    import a4.speculative.verify
+
+    def one_too_many(draft_ids, target_ids):
+        return greedy_accept(draft_ids, target_ids) + 1
+
+    # The engine's name and the module's: the student's file defines the one the engine imports.
+    monkeypatch.setattr(engine_module, "greedy_accept", one_too_many)
+    monkeypatch.setattr(a4.speculative.verify, "greedy_accept", one_too_many)
+    with pytest.raises(CheckFailed) as failure:
+        checks.check_speculative_greedy(tiny_qwen3_5, k=1)
+    lines = str(failure.value).splitlines()
+    assert lines[0].startswith("k = 1, drafts right for their first "), lines[0]
+    assert "the engine stopped with IndexError" in lines[0], lines[0]
+    assert lines[1].startswith("  - spec-greedy-accept: CheckFailed: every draft right: accepted [4], expected [3]")
+    assert not any("spec-commit" in line for line in lines)  # the commit is right
+
+
+def test_engine_check_leaves_an_engine_error_of_its_own_as_it_is(tiny_qwen3_5, monkeypatch):
+    import a4.engine.engine as engine_module
+
+    def broken_step(self, *args, **kwargs):
+        raise IndexError("the engine's own bug")
+
+    monkeypatch.setattr(engine_module.Engine, "step", broken_step)
+    with pytest.raises(IndexError, match="the engine's own bug"):
+        checks.check_speculative_greedy(tiny_qwen3_5, k=1)
 
 
 def test_engine_check_rejects_an_acceptance_that_accepts_nothing(tiny_qwen3_5, monkeypatch):

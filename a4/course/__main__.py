@@ -90,7 +90,8 @@ def cmd_grade(args: argparse.Namespace) -> int:
 
     try:
         limits = {name: value for name in ("timeout", "budget") if (value := getattr(args, name)) is not None}
-        return grade(Path(args.student), Path(args.junit), prefixes=args.notebook, workers=args.workers, **limits)
+        junit = None if args.junit is None else Path(args.junit)
+        return grade(Path(args.student), junit, prefixes=args.notebook, workers=args.workers, **limits)
     except (NotebookRunError, ReleaseError) as e:
         print(f"grade: {e}", file=sys.stderr)
         return 2
@@ -128,7 +129,9 @@ def main(argv: list[str] | None = None) -> int:
         description="Run every check against a student's exercise files; a4/course/grade.py says how.",
     )
     grade.add_argument("student", nargs="?", default=".", help="the handout to grade (default: the current directory)")
-    grade.add_argument("--junit", default="grade-report.xml", help="JUnit XML report (default: %(default)s)")
+    grade.add_argument(
+        "--junit", metavar="PATH", help="JUnit XML report (default: grade-report.xml in the student's directory)"
+    )
     grade.add_argument(
         "--notebook", action="append", metavar="PREFIX", help="grade only notebooks starting with PREFIX (repeatable)"
     )

@@ -7,6 +7,11 @@ are only compared with the instructor's: a check cell missing or altered there i
 its read-only test cells), and so is every other file of `a4/` that differs. Run in a handout (no solutions/),
 `grade` runs the handout's own notebooks: a student grading themselves.
 
+Report: the JUnit XML file goes by default to grade-report.xml in the student's directory, so that grading one
+student after another never writes one's report over another's; it names the student directory it grades, and an
+existing report that names another student is never overwritten (grade stops before running anything). A failing cell
+that is not a check is named by the nearest markdown heading above it, as the student reads the notebook.
+
 Time: each cell, checks included, has `timeout` seconds (default CELL_TIMEOUT_S: the slowest reference cell with a
 wide margin); a looping exercise is interrupted, its check reported `TIMEOUT after N s`, and the next check runs.
 Cells that would start once `budget` seconds are spent are reported `NOT RUN`, and so are those of a notebook that
@@ -23,6 +28,7 @@ check passes. The JUnit XML file has one test case per check id (classname: the 
 from __future__ import annotations
 
 import filecmp
+import os
 import tempfile
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass
@@ -31,7 +37,15 @@ from pathlib import Path
 from a4._overlay import REPO_ROOT
 from a4.course.exercises import SOLUTIONS_DIR, solution_files, student_path_of
 from a4.course.nbval_plugin import NOT_RUN, TIMEOUT
-from a4.course.notebooks import CellResult, check_cells, notebook_paths, read_notebook, run_notebooks, select
+from a4.course.notebooks import (
+    CellResult,
+    cell_places,
+    check_cells,
+    notebook_paths,
+    read_notebook,
+    run_notebooks,
+    select,
+)
 from a4.course.release import release
 
 REQUIRED_CHECKS = frozenset(
@@ -56,6 +70,8 @@ GROUPS = {
 CELL_TIMEOUT_S = 60
 # A whole reference run takes about 2.5 min on 2 cores: six times that before the remaining cells are given up.
 BUDGET_S = 900
+# The JUnit report's name in the student's directory, where it goes unless --junit says otherwise.
+REPORT_NAME = "grade-report.xml"
 
 
 @dataclass(frozen=True)
@@ -137,7 +153,18 @@ def graded(notebook: str, check_id: str, result: CellResult | None, tampered: st
     return Graded(notebook, check_id, status, why, result.traceback, result.duration, tampered)
 
 
-def write_junit(checks: list[Graded], path: Path) -> None:
+def report_student(path: Path) -> str | None:
+    """The student directory that the JUnit report at `path` grades, as write_junit records it; None when there is no
+    such report there (no file, not XML, or not written by grade)."""
+    try:
+        root = ET.parse(path).getroot()
+    except (OSError, ET.ParseError):
+        return None
+    found = root.find("testsuite/properties/property[@name='student']")
+    return None if found is None else found.get("value")
+
+
+def write_junit(checks: list[Graded], path: Path, student: Path) -> None:
     root = ET.Element("testsuites")
     for group in GROUPS:
         cases = [c for c in checks if c.group == group]
@@ -149,6 +176,9 @@ def write_junit(checks: list[Graded], path: Path) -> None:
             failures=str(sum(c.status != "PASS" for c in cases)),
             time=f"{sum(c.duration for c in cases):.3f}",
         )
+        # Whose report this is: what keeps the next student's grading from writing over it.
+        properties = ET.SubElement(suite, "properties")
+        ET.SubElement(properties, "property", name="student", value=str(student))
         for c in cases:
             case = ET.SubElement(suite, "testcase", classname=c.notebook, name=c.check_id, time=f"{c.duration:.3f}")
             if c.tampered:
@@ -159,7 +189,10 @@ def write_junit(checks: list[Graded], path: Path) -> None:
     ET.ElementTree(root).write(path, encoding="unicode", xml_declaration=True)
 
 
-def print_report(checks: list[Graded], results: list[CellResult], notes: list[str]) -> None:
+def print_report(
+    checks: list[Graded], results: list[CellResult], notes: list[str], places: dict[str, dict[int, str]]
+) -> None:
+    """places: for each notebook, where each code cell is (notebooks.cell_places), to name the failing ones."""
     width = max((len(c.name) for c in checks), default=0)
     totals = []
     for group, title in GROUPS.items():
@@ -178,7 +211,7 @@ def print_report(checks: list[Graded], results: list[CellResult], notes: list[st
     if others:
         print("\nerrors in other cells (not graded):")
         for r in others:
-            print(f"  {r.name}  {r.error}")
+            print(f"  {r.notebook}, {places[r.notebook][r.cell]}: {r.error}")
     if notes:
         print("\nthe student's copy differs from the instructor's, whose files were used:")
         for note in notes:
@@ -201,19 +234,34 @@ def prepare(repo: Path, student: Path, workspace: Path) -> list[str]:
 
 def grade(
     student: Path,
-    junit: Path,
+    junit: Path | None = None,
     prefixes: list[str] | None = None,
     workers: int = 2,
     timeout: float = CELL_TIMEOUT_S,
     budget: float = BUDGET_S,
     repo: Path = REPO_ROOT,
 ) -> int:
-    """Print the report and write the JUnit file; 0 when every required and other check passes."""
+    """Print the report and write the JUnit file (by default REPORT_NAME in the student's directory); 0 when every
+    required and other check passes, 2 when nothing was run."""
     from a4.checkpoints import cache_root  # imports torch: not for `--help`
 
     student = student.resolve()
     if not (student / "a4").is_dir():
         print(f"{student} has no a4/ directory: not an a4 handout")
+        return 2
+    junit = (junit or student / REPORT_NAME).resolve()
+    if (owner := report_student(junit)) not in (None, str(student)):
+        print(f"{junit} is the report of {owner}: grading {student} would overwrite it; give another --junit path "
+              f"(without one, each student's report is {REPORT_NAME} in their own directory)")
+        return 2
+    # Before the run, not after it: a report that cannot be written would lose the whole run.
+    try:
+        junit.parent.mkdir(parents=True, exist_ok=True)
+        writable = os.access(junit.parent, os.W_OK)
+    except OSError:
+        writable = False
+    if not writable:
+        print(f"cannot write the report {junit} (its directory cannot be written): give a --junit path")
         return 2
     with tempfile.TemporaryDirectory(prefix="a4-grade-") as tmp:
         if (repo / SOLUTIONS_DIR).is_dir():
@@ -231,6 +279,7 @@ def grade(
             print(f"no notebooks to grade in {workspace / 'notebooks'}")
             return 1
         expected = [(path.name, check_id) for path in notebooks for check_id in check_cells(read_notebook(path))]
+        places = {path.name: cell_places(read_notebook(path)) for path in notebooks}
         share = notebook_share(budget, workers, len(notebooks))
         print(f"{len(notebooks)} notebooks, {len(expected)} checks; {timeout:g} s per cell, {share:g} s per notebook, "
               f"{budget:g} s in all ...", flush=True)  # fmt: skip
@@ -244,7 +293,7 @@ def grade(
         graded(notebook, check_id, by_name.get(f"{notebook}::{check_id}"), tampered.get(f"{notebook}::{check_id}", ""))
         for notebook, check_id in expected
     ]
-    print_report(checks, results, notes)
-    write_junit(checks, junit)
+    print_report(checks, results, notes, places)
+    write_junit(checks, junit, student)
     print(f"JUnit report: {junit}")
     return 0 if all(c.status == "PASS" for c in checks if c.group != "optional") else 1

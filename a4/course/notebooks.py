@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import tempfile
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -94,6 +96,45 @@ def check_cells(notebook: nbformat.NotebookNode) -> dict[str, str]:
         for cell in notebook.cells
         if cell.cell_type == "code" and CHECK_TAG in cell.metadata.get("tags", []) and (ids := check_ids_of(cell))
     }
+
+
+# A markdown heading line ("## 2. Decode is launch-bound"), and a fence line, between which "#" starts no heading.
+HEADING = re.compile(r"^#{1,6}[ \t]+(?P<title>\S.*?)[ \t#]*$")
+FENCE = re.compile(r"^[ \t]*(```|~~~)")
+
+
+def _last_heading(markdown: str) -> str | None:
+    """The title of a markdown cell's last heading; None if it has none."""
+    heading, fenced = None, False
+    for line in markdown.splitlines():
+        if FENCE.match(line):
+            fenced = not fenced
+        elif not fenced and (match := HEADING.match(line)):
+            heading = match["title"]
+    return heading
+
+
+def _ordinal(n: int) -> str:
+    return f"{n}{'th' if 10 <= n % 100 <= 20 else {1: 'st', 2: 'nd', 3: 'rd'}.get(n % 10, 'th')}"
+
+
+def cell_places(notebook: nbformat.NotebookNode) -> dict[int, str]:
+    """Where each code cell is, as a reader finds it, by its number as nbval counts them (code cells from 0, what
+    CellResult.cell holds): 'under "2. Decode is launch-bound"', the nearest markdown heading above it, with
+    ', its 2nd code cell' when several code cells share that heading."""
+    headings: list[str | None] = []  # the heading above each code cell, in order
+    heading = None
+    for cell in notebook.cells:
+        if cell.cell_type == "markdown":
+            heading = _last_heading(cell.source) or heading
+        elif cell.cell_type == "code":
+            headings.append(heading)
+    total, seen, places = Counter(headings), Counter(), {}
+    for number, heading in enumerate(headings):
+        seen[heading] += 1
+        place = f'under "{heading}"' if heading else "above the first heading"
+        places[number] = place if total[heading] == 1 else f"{place}, its {_ordinal(seen[heading])} code cell"
+    return places
 
 
 def _ipython_dir(parent: Path) -> Path:

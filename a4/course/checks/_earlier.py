@@ -1,7 +1,7 @@
 """The earlier notebooks' layer-level checks, run again when an engine-level check fails: the cause may be there.
 
-The engine checks of notebooks 05, 06, 07 and 09 run the whole model, so a wrong norm from notebook 03 shows up
-there as a wrong token, far from its cause. `after_notebooks` wraps such a check: when it fails, the cheap checks of
+The engine checks of notebooks 05, 06, 07, 09 and 11 run the whole model, so a wrong norm from notebook 03 shows
+up there as a wrong token, far from its cause. `after_notebooks` wraps such a check: when it fails, the cheap checks of
 the notebooks it builds on run again, and if one of them fails the failure's first line says which notebook to fix
 first (an unwritten exercise already says so through its NotImplementedError). They run on every failure, not
 once per process: a student who fixes notebook 03 and runs the engine check again must not read a stale verdict.
@@ -48,6 +48,7 @@ def _tiny(name: str = "qwen3_5") -> str:
 # What the engine runs of the earlier notebooks: the config, the weights and both kinds of layer.
 ENGINE = ("01", "02", "03", "04")
 ATTENTION, DELTANET, POOL = "a4.layers.gated_attention", "a4.layers.deltanet", "a4.kvcache.state_pool"
+BY_SLOT = "a4.layers.gdn_decode"
 # Each notebook's checks of its own code, without the whole-model ones (those are what is being explained).
 EARLIER_CHECKS = (
     EarlierCheck("01", "config-layer-patterns", lambda: _checks("config").check_layer_patterns(
@@ -84,6 +85,12 @@ EARLIER_CHECKS = (
         _student(POOL, "StatePool"), _tiny())),
     EarlierCheck("05", "state-save-restore", lambda: _checks("state_pool").check_save_restore(
         _student(POOL, "StatePool"), _tiny())),
+    # The verify pass of speculative decoding (notebook 11) runs notebook 10's decode step by slot on a CPU too. Its
+    # values only: the engine's tokens do not depend on the graph-safe check (and its torch.compile is slow).
+    EarlierCheck("10", "gdn-conv-by-slot", lambda: _checks("gpu").check_conv_by_slot(
+        _student(BY_SLOT, "conv_update_by_slot_"))),
+    EarlierCheck("10", "gdn-rule-by-slot", lambda: _checks("gpu").check_rule_by_slot(
+        _student(BY_SLOT, "gated_delta_rule_update_by_slot_"))),
 )  # fmt: skip
 
 

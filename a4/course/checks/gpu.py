@@ -9,8 +9,9 @@ Ground truths:
   slot, several rows sharing it, must leave the real rows right;
 - capturable: three tests a CPU can run of what a CUDA graph needs. The function runs on the `meta` device, where a
   tensor has a shape and no values, so anything that reads values into Python fails there (a host sync on a GPU);
-  its number of tensor operations is the same for 1 request as for 4 (no Python loop over the requests); and
-  `torch.compile(backend="eager", fullgraph=True)` traces it as one graph.
+  its number of tensor operations is the same for 2 requests as for 5 (no Python loop over the requests); and
+  `torch.compile(backend="eager", fullgraph=True)` traces it as one graph. Indexing by a tensor of slots, read
+  (`pool[slots]`) or written (`pool[slots] = rows`), is graph-safe: the index kernel reads the slots on the device.
 
 The shapes are not the notebook's: value heads 3x key heads or as many, dk != dv, conv kernels 2, 3 and 4.
 `gpu_report` finds the H200 figures the notebook draws (see its docstring).
@@ -43,8 +44,10 @@ NUM_SLOTS = 7
 SLOT_CASES = {"3 requests": [4, 1, 6], "2 requests padded to 4 with dummy slot 0": [5, 0, 2, 0]}
 DUMMY_SLOT = 0
 CONV_CHANNELS = 10
-# Batch sizes whose operation counts must agree (a Python loop over the requests makes them differ).
-LOOP_BATCHES = (1, 4)
+# Batch sizes whose operation counts must agree (a Python loop over the requests makes them differ). Not 1: there
+# PyTorch runs some operations its own way (`pool[slots] = rows` adds a `view` at batch 1, a reshape of a slice that
+# happens to be contiguous copies nothing), so a right function may count one operation more or less.
+LOOP_BATCHES = (2, 5)
 
 
 # ------------------------------------------------------------------------------------------------------- the inputs
@@ -125,13 +128,70 @@ def rule_tolerance(dk: int) -> float:
 # ------------------------------------------------------------------------------------------------------- the pool
 
 
+class PoolWrites(TorchDispatchMode):
+    """Records, while it is on, where a function put values that did not reach the pool tensors it was given: every
+    tensor an operation writes in place (`copy_`, `index_copy_`, `x[i] = ...`) that is not a pool's memory, and every
+    result of a pool's shape that an out-of-place operation returns (`index_copy`, `clone`). Each comes with the line
+    of the function's file that ran it, which is what a student needs to find the copy."""
+
+    def __init__(self, fn: Callable, pools: list[torch.Tensor]) -> None:
+        super().__init__()
+        self.filename = fn.__code__.co_filename
+        self.pools = pools
+        self.writes: list[tuple[torch.Tensor, str]] = []  # (the tensor written, "line N: `source`" or "")
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        result = func(*args, **kwargs)
+        arguments = func._schema.arguments
+        values = [*args, *(kwargs.get(a.name) for a in arguments[len(args) :])]
+        written = [v for a, v in zip(arguments, values) if a.alias_info is not None and a.alias_info.is_write]
+        if not written:  # out-of-place: only a result of a pool's shape can be a copy of a whole pool
+            results = result if isinstance(result, (tuple, list)) else [result]
+            shapes = [pool.shape for pool in self.pools]
+            written = [r for r in results if isinstance(r, torch.Tensor) and r.shape in shapes]
+        for tensor in written:
+            if isinstance(tensor, torch.Tensor) and not any(_same_memory(tensor, p) for p in self.pools):
+                self.writes.append((tensor, self._caller_line()))
+        return result
+
+    def _caller_line(self) -> str:
+        frames = [frame for frame in traceback.extract_stack() if frame.filename == self.filename]
+        return f"line {frames[-1].lineno}: `{frames[-1].line}`" if frames else ""
+
+    def copy_of(self, pool: torch.Tensor, before: torch.Tensor) -> str | None:
+        """Where the function wrote new values into a copy of `pool` or of some of its rows ("line N: `source`", or
+        "" when that line is not in its file); None if it wrote into no such copy. `before`: the pool's values."""
+        for tensor, line in self.writes:
+            rows = tensor.dim() == pool.dim() and tensor.shape[1:] == pool.shape[1:]
+            if rows and not (tensor.shape == pool.shape and torch.equal(tensor, before)):
+                return line
+        return None
+
+
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+def unchanged_pool_problem(label: str, pool: torch.Tensor, before: torch.Tensor, writes: PoolWrites) -> str:
+    """Why a pool the function had to update is unchanged: its new rows went into a copy (named), or nowhere."""
+    in_place = ("write into the pool tensor you are given, in place: `pool.index_copy_(0, slots, rows)` or "
+                "`pool[slots] = rows`")
+    where = writes.copy_of(pool, before)
+    if where is None:
+        return f"{label}: the pool is unchanged: nothing was written into it (nor into a copy of it); {in_place}"
+    at = f" ({where})" if where else ""
+    return (f"{label}: the pool is unchanged: the new rows were written into a copy of it{at}, which the caller never "
+            "sees. `pool[slots]` read with a tensor of slots is a copy (so is `.clone()`, and so is what an operation "
+            f"without the trailing `_` returns, `pool.index_copy(...)`); {in_place}")
+
+
 def pool_problems(label: str, pool: torch.Tensor, before: torch.Tensor, slots: list[int], expected: torch.Tensor,
-                  allowed: float | None) -> list[str]:
-    """The pool after the call: each real slot's row as expected (equal when allowed is None), the rows no slot
-    names untouched, and the pool tensor itself written (not a copy of it)."""
+                  allowed: float | None, writes: PoolWrites) -> list[str]:
+    """The pool after the call (whose writes `writes` recorded): each real slot's row as expected (equal when allowed
+    is None), the rows no slot names untouched, and the pool tensor itself written (not a copy of it)."""
     if torch.equal(pool, before):
-        return [f"{label}: the pool is unchanged: write the new states into the pool tensor you are given, in place "
-                "(index_copy_), not into a copy of it"]
+        return [unchanged_pool_problem(label, pool, before, writes)]
     problems = []
     for i in _real_rows(slots):
         row, want = pool[slots[i]], expected[i]
@@ -161,18 +221,19 @@ def _real(tensor: torch.Tensor, slots: list[int]) -> torch.Tensor:
 # ------------------------------------------------------------------------------------------------------ the checks
 
 
-def update_problems(label: str, slots: list[int], pool: torch.Tensor, update: Callable[[], torch.Tensor],
+def update_problems(label: str, slots: list[int], pool: torch.Tensor, fn: Callable, kwargs: dict[str, torch.Tensor],
                     reference: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
                     allowed: float, state_allowed: float | None, elementwise: bool) -> list[str]:
-    """Run update() (which updates `pool` by `slots`) and compare its output and the pool with what reference(copies
-    of the slots' rows) returns: (output, new rows). The padding rows' outputs are not compared."""
+    """Run fn(**kwargs) (which updates `pool` by `slots`) and compare its output and the pool with what
+    reference(copies of the slots' rows) returns: (output, new rows). The padding rows' outputs are not compared."""
     before = pool.clone()
     expected, expected_states = reference(before[slots])
-    output = update()
+    with PoolWrites(fn, [pool]) as writes:
+        output = fn(**kwargs)
     if wrong := shape_problems(f"{label}: output", output, expected.shape):
         return wrong
     problems = compare_dtype(f"{label}: output", _real(output, slots), _real(expected, slots), allowed, elementwise)
-    return problems + pool_problems(label, pool, before, slots, expected_states, state_allowed)
+    return problems + pool_problems(label, pool, before, slots, expected_states, state_allowed, writes)
 
 
 def check_conv_by_slot(conv_update: Callable) -> None:
@@ -185,7 +246,7 @@ def check_conv_by_slot(conv_update: Callable) -> None:
                 i = conv_inputs(len(slots), kernel, dtype, seed=kernel)
                 problems += update_problems(
                     f"kernel {kernel}, {dtype_name}, {case}", slots, i["conv_state"],
-                    lambda: conv_update(i["x"], i["weight"], i["conv_state"], slot_tensor(slots)),
+                    conv_update, {**i, "slots": slot_tensor(slots)},
                     lambda rows: transformers_conv(i["x"], i["weight"], rows),
                     # A sum of `kernel` products per value, one rounding; the new states are copies of inputs.
                     allowed=tolerance(dtype, kernel), state_allowed=None, elementwise=True,
@@ -205,7 +266,7 @@ def check_rule_by_slot(rule_update: Callable) -> None:
                 i = rule_inputs(len(slots), shape, dtype, seed=dk)
                 problems += update_problems(
                     f"{shape_name}, {dtype_name}, {case}", slots, i["state"],
-                    lambda: rule_update(**i, slots=slot_tensor(slots)),
+                    rule_update, {**i, "slots": slot_tensor(slots)},
                     lambda rows: transformers_rule(i, rows),
                     allowed=rule_tolerance(dk), state_allowed=rule_tolerance(dk), elementwise=False,
                 )  # fmt: skip
@@ -242,33 +303,46 @@ def capture_problems(make_call: Callable[[int], tuple[Callable, dict[str, torch.
     fn, kwargs = make_call(LOOP_BATCHES[-1])
     if sync := host_sync(fn, kwargs):
         return [sync]
-    counts = {batch: len(aten_ops(fn, on_meta(make_call(batch)[1]))) for batch in LOOP_BATCHES}
-    if len(set(counts.values())) > 1:
-        described = ", ".join(f"{n} for {batch} request(s)" for batch, n in counts.items())
-        return [f"its number of tensor operations grows with the batch ({described}): a Python loop over the "
-                "requests. A graph replays a fixed list of kernels for one batch size; work on all rows at once "
-                "(index_select, batched products, index_copy_)"]
-    return graph_problems(make_call)
+    loop = batch_loop_problems(fn, lambda batch: on_meta(make_call(batch)[1]),
+                               "A graph replays a fixed list of kernels for one batch size; work on all rows at once "
+                               "(index_select or pool[slots], batched products, index_copy_ or pool[slots] = rows)")
+    return loop or graph_problems(make_call)
+
+
+def batch_loop_problems(fn: Callable, make_kwargs: Callable[[int], dict[str, Any]], advice: str) -> list[str]:
+    """A problem when fn(**make_kwargs(batch)) runs a different number of tensor operations for each batch size of
+    LOOP_BATCHES: the operations of a Python loop over the requests are repeated per request. `advice`: what to
+    do instead."""
+    counts = {batch: len(aten_ops(fn, make_kwargs(batch))) for batch in LOOP_BATCHES}
+    if len(set(counts.values())) == 1:
+        return []
+    described = ", ".join(f"{n} for {batch} requests" for batch, n in counts.items())
+    return [f"its number of tensor operations differs with the batch ({described}): a Python loop over the "
+            f"requests. {advice}"]
 
 
 def host_sync(fn: Callable, kwargs: dict[str, torch.Tensor]) -> str | None:
     """None if fn runs on `meta` tensors (shapes, no values); else why not, at which line of the student's code."""
+    if (where := reads_values(fn, kwargs)) is None:
+        return None
+    return (f"it reads tensor values into Python ({where}). On a GPU that is a host sync: Python waits for the GPU "
+            "(`.item()`, `.tolist()`, `int(t)`, `if t:`, a loop over `slots`, a boolean mask), and a CUDA graph "
+            "replays without Python, so a decision taken from those values would be frozen at capture. Keep "
+            "everything in tensor operations")
+
+
+def reads_values(fn: Callable, kwargs: dict[str, torch.Tensor]) -> str | None:
+    """None if fn(**kwargs) runs on `meta` tensors, which have shapes and no values; else where it needed a value:
+    "line N: `source`: the error" (the line of fn's file)."""
     try:
         fn(**on_meta(kwargs))
     except NotImplementedError as e:
         if str(e).startswith("Exercise "):
             raise
-        return _needs_values(fn, e)
+        return f"{_user_line(fn, e)}: {str(e).splitlines()[0]}"
     except RuntimeError as e:
-        return _needs_values(fn, e)
+        return f"{_user_line(fn, e)}: {str(e).splitlines()[0]}"
     return None
-
-
-def _needs_values(fn: Callable, error: Exception) -> str:
-    return (f"it reads tensor values into Python ({_user_line(fn, error)}: {str(error).splitlines()[0]}). On a GPU "
-            "that is a host sync: Python waits for the GPU (`.item()`, `.tolist()`, `int(t)`, `if t:`, a loop over "
-            "`slots`, a boolean mask), and a CUDA graph replays without Python, so a decision taken from those "
-            "values would be frozen at capture. Keep everything in tensor operations")
 
 
 def _user_line(fn: Callable, error: BaseException) -> str:

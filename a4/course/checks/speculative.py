@@ -15,12 +15,16 @@ Ground truths:
   with an oracle drafter forcing every acceptance pattern (drafts right for their first j tokens, j = 0..k); the
   drafts accepted against the length of the drafts' right prefixes, counted here as the drafter proposes them.
 
-Every function runs as many tensor operations for 4 requests as for 1: no Python loop over the requests (the
+Every function runs as many tensor operations for 5 requests as for 2: no Python loop over the requests (the
 recurrence walks the L verify positions, which is the same for any batch).
 """
 
 from __future__ import annotations
 
+import contextlib
+import importlib
+import io
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -28,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from a4.core import SamplingParams
-from a4.course.checks import conclude
+from a4.course.checks import CheckFailed, conclude
 from a4.course.checks._earlier import ENGINE, after_notebooks
 from a4.course.checks._harness import DTYPES, compare, compare_dtype, randn, shape_problems, tolerance
 from a4.course.checks.deltanet import (
@@ -40,7 +44,15 @@ from a4.course.checks.deltanet import (
     delta_rule_tolerance,
     transformers_recurrence,
 )
-from a4.course.checks.gpu import aten_ops, gdn_shapes, transformers_conv, transformers_rule
+from a4.course.checks.gpu import (
+    PoolWrites,
+    batch_loop_problems,
+    gdn_shapes,
+    reads_values,
+    transformers_conv,
+    transformers_rule,
+    unchanged_pool_problem,
+)
 from a4.course.checks.state_pool import MAX_NEW_TOKENS, read_config, reference_tokens, shared_prompts, text_config
 from a4.course.checks.state_pool import token_problems
 from a4.speculative.drafter import OracleDrafter
@@ -58,9 +70,6 @@ COMMIT_LEN = 4
 KEPT_LENS = [1, 4, 2]
 # Tokens fed after the commit in the poisoned-state check.
 CONTINUATION = 3
-# Batch sizes whose operation counts must agree (a Python loop over the requests makes them differ). Not 1: a batch
-# of one makes some slices contiguous, and a reshape then runs no copy.
-LOOP_BATCHES = (2, 5)
 
 
 # ------------------------------------------------------------------------------------------------ the references
@@ -104,13 +113,9 @@ def accepted_by_loop(draft_ids: torch.Tensor, target_ids: torch.Tensor) -> list[
 
 
 def loop_problems(fn: Callable, make_kwargs: Callable[[int], dict]) -> list[str]:
-    """A problem when fn(**make_kwargs(batch)) runs more tensor operations for more requests."""
-    counts = {batch: len(aten_ops(fn, make_kwargs(batch))) for batch in LOOP_BATCHES}
-    if len(set(counts.values())) == 1:
-        return []
-    described = ", ".join(f"{n} for {batch} request(s)" for batch, n in counts.items())
-    return [f"its number of tensor operations grows with the batch ({described}): a Python loop over the requests. "
-            "Work on every request at once: each request is a row of the same tensor operations"]
+    """A problem when fn(**make_kwargs(batch)) runs a different number of tensor operations for another batch size."""
+    return batch_loop_problems(fn, make_kwargs, "Work on every request at once: each request is a row of the same "
+                                                "tensor operations")
 
 
 # ------------------------------------------------------------------------------------------- the verify functions
@@ -126,10 +131,15 @@ def conv_inputs(batch: int, length: int, kernel: int, dtype: torch.dtype, seed: 
 
 def state_position_problems(label: str, states: torch.Tensor, expected: torch.Tensor, before: torch.Tensor,
                             same: Callable[[torch.Tensor, torch.Tensor], bool]) -> list[str]:
-    """The state after each verify position j; the usual mistake, the state before it, named as such."""
+    """The state after each verify position j; the usual mistakes, the input state at every position and the state
+    before each position, named as such."""
     wrong = [j for j in range(expected.shape[1]) if not same(states[:, j], expected[:, j])]
     if not wrong:
         return []
+    length = expected.shape[1]
+    if length > 1 and all(same(states[:, j], before) for j in range(length)):
+        return [f"{label}: states[:, j] is the input state at every position j: the values are unchanged, as if no "
+                "token had been fed; states[:, j] must be the state after token j"]
     shifted = torch.cat([before[:, None], expected[:, :-1]], dim=1)
     if all(same(states[:, j], shifted[:, j]) for j in range(expected.shape[1])):
         return [f"{label}: states[:, j] is the state before position j; it must be the state after it (after "
@@ -147,8 +157,12 @@ def verify_problems(label: str, got: tuple[torch.Tensor, torch.Tensor], expected
     wrong += shape_problems(f"{label}: the states", states, want_states.shape)
     if wrong:
         return wrong
-    return output_problems(output, want_output) + state_position_problems(
-        f"{label}: the states", states, want_states, before, same_state
+    if states.dtype != want_states.dtype:
+        # The commit copies them into the pool, whose rows are in the dtype of the state the verify started from.
+        wrong.append(f"{label}: the states are {states.dtype}; they must be {want_states.dtype}, the dtype of the "
+                     "state they continue (the pool's rows, which the commit copies them into)")
+    return wrong + output_problems(output, want_output) + state_position_problems(
+        f"{label}: the states", states.to(want_states.dtype), want_states, before, same_state
     )
 
 
@@ -194,7 +208,7 @@ def check_rule_verify(rule_verify: Callable) -> None:
         allowed = delta_rule_tolerance(length)
         problems += verify_problems(
             label, rule_verify(**i), expected, before,
-            lambda o, want: compare(f"{label}: o", o, want, allowed),
+            lambda o, want: compare_dtype(f"{label}: o", o, want, allowed),
             lambda ours, want: not compare("", ours, want, allowed),
         )  # fmt: skip
         if not torch.equal(i["initial_state"], before):
@@ -215,7 +229,8 @@ ACCEPT_CASES = {
     "the last draft wrong": ([[4, 5, 9]], [[4, 5, 6, 7]]),
     "padded with -1 after 1 draft": ([[4, -1, -1]], [[4, 5, 6, 7]]),
     "padded with -1, its one draft wrong": ([[8, -1, -1]], [[4, 5, 6, 7]]),
-    "padded drafts against padded targets (-1 is never accepted)": ([[4, -1, -1]], [[4, 5, -1, -1]]),
+    "padded drafts against padded targets, as the engine pads them": ([[4, -1, -1]], [[4, 5, -1, -1]]),
+    "a -1 draft against a -1 target (-1 is never accepted)": ([[4, -1, -1]], [[4, -1, -1, -1]]),
     "k = 1": ([[3], [2]], [[3, 1], [3, 1]]),
     "k = 0 (no draft)": ([[], []], [[3], [0]]),
 }
@@ -245,7 +260,15 @@ def check_greedy_accept(accept: Callable) -> None:
             problems.append(f"{name}: expected an int64 tensor of shape ({len(expected)},), got {what}")
         elif accepted.tolist() != expected:
             problems.append(f"{name}: accepted {accepted.tolist()}, expected {expected}")
-    problems += loop_problems(accept, lambda batch: random_accept_case(batch, 3, seed=batch))
+    # A loop over `.tolist()` runs no tensor operation per request, so counting operations misses it; on `meta`
+    # tensors (no values) it fails.
+    if where := reads_values(accept, random_accept_case(5, 3, seed=5)):
+        problems.append(f"run on `meta` tensors (shapes, no values), it reads tensor values into Python ({where}): "
+                        "a Python loop over the requests' values (`.tolist()`, `.item()`, `if t:`) runs once per "
+                        "request, and on a GPU each read waits for the GPU. Compare the drafts with the targets as "
+                        "tensors: a running product (`cumprod`) of the agreements is 1 up to the first disagreement")
+    else:
+        problems += loop_problems(accept, lambda batch: random_accept_case(batch, 3, seed=batch))
     conclude(problems, "greedy_accept accepts the longest prefix of each draft that the model agrees with")
 
 
@@ -277,12 +300,11 @@ def commit_case(slots: list[int], kept_lens: list[int], length: int, dtype: torc
 
 
 def committed_problems(label: str, pool: torch.Tensor, before: torch.Tensor, states: torch.Tensor, slots: list[int],
-                       kept_lens: list[int]) -> list[str]:
+                       kept_lens: list[int], writes: PoolWrites) -> list[str]:
     """Pool row slots[i] = states[i, kept_lens[i] - 1] bit for bit (a copy), naming a commit one position off;
-    the rows of no request untouched; the pool tensor itself written."""
+    the rows of no request untouched; the pool tensor itself written (`writes`: where the commit wrote)."""
     if torch.equal(pool, before):
-        return [f"{label}: the pool is unchanged: write the states into the pool tensors you are given, in place "
-                "(index_copy_), not into copies of them"]
+        return [unchanged_pool_problem(label, pool, before, writes)]
     problems = []
     for i, (slot, kept) in enumerate(zip(slots, kept_lens)):
         if torch.equal(pool[slot], states[i, kept - 1]):
@@ -305,10 +327,24 @@ def committed_problems(label: str, pool: torch.Tensor, before: torch.Tensor, sta
     return problems
 
 
+# A commit that indexes the states by kept_lens instead of kept_lens - 1 raises an IndexError where a request keeps
+# all L tokens: position L is past the end.
+PAST_THE_END = ("kept_lens counts tokens (1 to L: L when every draft is accepted) and the states are indexed by "
+                "position (0 to L - 1): the state after the last kept token is `states[rows, kept_lens - 1]`, not "
+                "`states[rows, kept_lens]`")
+
+
+def raised_in(fn: Callable, error: BaseException) -> bool:
+    """Whether `error` was raised inside fn (one of its frames is in its traceback)."""
+    code = fn.__code__
+    return any(frame.filename == code.co_filename and frame.name == code.co_name
+               for frame in traceback.extract_tb(error.__traceback__))
+
+
 def check_commit(commit: Callable) -> None:
     """commit_verified_states_ against a loop over the requests: slots out of order, kept lengths from 1 to L,
     conv states in float32 and bfloat16; both pool tensors written in place, no other row touched."""
-    problems = []
+    problems, index_errors = [], []  # index_errors: for each IndexError, whether a request kept all L tokens there
     cases = {"kept 1, L and 2 of L = 4": (KEPT_LENS, COMMIT_LEN), "every draft accepted": ([3, 3, 3], 3),
              "no draft accepted": ([1, 1, 1], 3), "k = 0 (L = 1)": ([1, 1, 1], 1)}
     for name, (kept_lens, length) in cases.items():
@@ -316,18 +352,28 @@ def check_commit(commit: Callable) -> None:
             label = f"{name}, conv states in {dtype_name}"
             case = commit_case(SLOTS, kept_lens, length, dtype)
             before = {"conv": case.conv_state.clone(), "recurrent": case.recurrent_state.clone()}
-            commit(**case.kwargs())
+            try:
+                with PoolWrites(commit, [case.conv_state, case.recurrent_state]) as writes:
+                    commit(**case.kwargs())
+            except IndexError as e:
+                problems.append(f"{label} (kept_lens {kept_lens} of L = {length}): IndexError: {e}")
+                index_errors.append(length in kept_lens)
+                continue
             problems += committed_problems(f"{label}, conv_state", case.conv_state, before["conv"], case.conv_states,
-                                           SLOTS, kept_lens)
+                                           SLOTS, kept_lens, writes)
             problems += committed_problems(f"{label}, recurrent_state", case.recurrent_state, before["recurrent"],
-                                           case.recurrent_states, SLOTS, kept_lens)
+                                           case.recurrent_states, SLOTS, kept_lens, writes)
 
     def loop_case(batch: int) -> dict[str, torch.Tensor]:
         return commit_case(list(range(1, batch + 1)), [1 + i % 3 for i in range(batch)], 3, torch.float32).kwargs()
 
-    problems += loop_problems(commit, loop_case)
+    if not index_errors:
+        problems += loop_problems(commit, loop_case)
+    # IndexErrors exactly where a request keeps all L tokens: the commit reads one position past the end.
+    past_the_end = bool(index_errors) and all(index_errors)
+    likely = f"an IndexError wherever a request keeps all L tokens: {PAST_THE_END}" if past_the_end else None
     conclude(problems, "commit_verified_states_ sets each request's pool rows to its states after its last kept "
-                       "token, and touches no other row")
+                       "token, and touches no other row", likely)
 
 
 # ----------------------------------------------------------------------------------------------- a poisoned state
@@ -472,20 +518,27 @@ def check_poisoned_state(conv_verify: Callable, rule_verify: Callable, commit: C
     (transformers, token by token). A commit one position off is named."""
     step = GDNStep.random()
     before = GDNStep(**{name: t.clone() for name, t in vars(step).items()})
-    verify_and_commit(step, conv_verify, rule_verify, commit, KEPT_LENS)
     problems, likely = [], None
-    for i, c in enumerate(continuations(step, before, KEPT_LENS)):
-        if c.error <= poisoned_allowed() * c.scale:
-            continue
-        kept = KEPT_LENS[i]
-        where = f"request {i} (slot {SLOTS[i]}, kept {kept} of {COMMIT_LEN} verify tokens)"
-        problems.append(f"{where}: the {CONTINUATION} tokens after the commit give outputs off by {c.error:.3g} "
-                        f"(values up to {c.scale:.3g}): a silently wrong continuation")
-        if c.position is not None and abs(c.position - (kept - 1)) == 1 and likely is None:
-            how = "too far" if c.position > kept - 1 else "too short"
-            likely = (f"{where}: its pool rows hold its state after verify position {c.position}, one position "
-                      f"{how}; the commit must take the state after its last kept token, position kept_lens - 1 = "
-                      f"{kept - 1}")
+    try:
+        verify_and_commit(step, conv_verify, rule_verify, commit, KEPT_LENS)
+    except IndexError as e:
+        in_commit = raised_in(commit, e)
+        problems.append(f"{'the commit' if in_commit else 'the verify'} of kept_lens {KEPT_LENS} of L = {COMMIT_LEN} "
+                        f"raised IndexError: {e}")
+        likely = PAST_THE_END if in_commit and COMMIT_LEN in KEPT_LENS else None
+    else:
+        for i, c in enumerate(continuations(step, before, KEPT_LENS)):
+            if c.error <= poisoned_allowed() * c.scale:
+                continue
+            kept = KEPT_LENS[i]
+            where = f"request {i} (slot {SLOTS[i]}, kept {kept} of {COMMIT_LEN} verify tokens)"
+            problems.append(f"{where}: the {CONTINUATION} tokens after the commit give outputs off by {c.error:.3g} "
+                            f"(values up to {c.scale:.3g}): a silently wrong continuation")
+            if c.position is not None and abs(c.position - (kept - 1)) == 1 and likely is None:
+                how = "too far" if c.position > kept - 1 else "too short"
+                likely = (f"{where}: its pool rows hold its state after verify position {c.position}, one position "
+                          f"{how}; the commit must take the state after its last kept token, position kept_lens - 1 "
+                          f"= {kept - 1}")
     conclude(problems, "after the commit, every request continues exactly as from its state after its kept tokens",
              likely)
 
@@ -534,7 +587,24 @@ def counting_oracle(checkpoint: str | Path, correct: int) -> CountingOracle:
     return CountingOracle({tuple(p): out for p, out in zip(prompts, expected)}, correct, vocab)
 
 
-@after_notebooks(*ENGINE, "05")
+def engine_function_failures() -> list[str]:
+    """This notebook's checks of the two functions the engine calls, on the student's code (a4/speculative/verify.py):
+    "<check id>: <the first line of its failure>" for each that fails."""
+    verify = importlib.import_module("a4.speculative.verify")
+    failures = []
+    for check_id, check, fn in (("spec-greedy-accept", check_greedy_accept, verify.greedy_accept),
+                                ("spec-commit", check_commit, verify.commit_verified_states_)):
+        try:
+            with contextlib.redirect_stdout(io.StringIO()):  # their "PASSED" lines are not the engine check's
+                check(fn)
+        except Exception as e:  # noqa: BLE001 - whatever it raised, that check fails
+            text = str(e).strip()
+            failures.append(f"{check_id}: {type(e).__name__}: {text.splitlines()[0] if text else ''}")
+    return failures
+
+
+# The engine's verify pass runs notebook 10's GDN decode step by slot at every position (a4/layers/gdn_backend.py).
+@after_notebooks(*ENGINE, "05", "10")
 def check_speculative_greedy(checkpoint: str | Path, k: int = ENGINE_K) -> None:
     """For every acceptance length j = 0..k: drafts right for their first j tokens, and the engine's tokens equal to
     transformers' greedy ones, token by token (prompts of 1 to 300 tokens through 3 slots, chunked prefill); the
@@ -544,7 +614,19 @@ def check_speculative_greedy(checkpoint: str | Path, k: int = ENGINE_K) -> None:
     for correct in range(k + 1):
         label = f"k = {k}, drafts right for their first {correct} token(s)"
         drafter = counting_oracle(checkpoint, correct)
-        outputs, stats = speculative_run(checkpoint, k, drafter)
+        try:
+            outputs, stats = speculative_run(checkpoint, k, drafter)
+        except NotImplementedError:
+            raise  # its message names the exercise to write
+        except Exception as e:
+            if not (failures := engine_function_failures()):
+                raise  # not this notebook's functions: the error as it is
+            raise CheckFailed(
+                f"{label}: the engine stopped with {type(e).__name__}: {e}. It runs your greedy_accept and "
+                "commit_verified_states_, and their own checks fail (below): a count one too large, for one, runs "
+                "past the end of the drafts (the engine keeps drafts[:a] and the model's token target_ids[a]) or of "
+                "the verify states (kept_lens). Fix them first\n" + "\n".join(f"  - {failure}" for failure in failures)
+            ) from e
         problems += token_problems(label, outputs, prompts, expected)
         if stats.accepted_draft_tokens != drafter.right_prefixes:
             problems.append(f"{label}: the engine accepted {stats.accepted_draft_tokens} of {drafter.drafted} drafted "
