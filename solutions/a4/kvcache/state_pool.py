@@ -198,19 +198,24 @@ class StatePool:
 
     def commit_verified(self, slots: torch.Tensor, kept_lens: torch.Tensor) -> None:
         """After a verify pass: each request's slot gets, in every GDN layer, its state after the last verify token
-        it keeps (kept_lens[i] of them), with notebook 11's `commit_verified_states_`."""
+        it keeps (kept_lens[i] of them), with notebook 11's `commit_verified_states_`.
+
+        One call for all layers: a (layer, slot) pair is a row of the pool's buffers with the layer dim folded into
+        the slot dim, so the function sees num_layers x B requests (a call per layer would be ~6 launches and a host
+        sync per GDN layer on a GPU, outside the captured verify step)."""
         # Imported here: an exercise of notebook 11, which serving without speculation must not need.
         from a4.speculative.verify import commit_verified_states_
 
-        for layer in range(self.num_layers):
-            commit_verified_states_(
-                self.conv_state(layer),
-                self.recurrent_state(layer),
-                self.verify_conv_states(layer)[slots],
-                self.verify_recurrent_states(layer)[slots],
-                slots,
-                kept_lens,
-            )
+        layers = torch.arange(self.num_layers, device=slots.device)
+        rows = (layers[:, None] * self.num_slots + slots[None, :]).flatten()  # layer-major, as the buffers are
+        commit_verified_states_(
+            self._conv.flatten(0, 1),
+            self._recurrent.flatten(0, 1),
+            self._verify_conv[:, slots].flatten(0, 1),
+            self._verify_recurrent[:, slots].flatten(0, 1),
+            rows,
+            kept_lens.repeat(self.num_layers),
+        )
 
     def _layer(self, gdn_layer: int) -> int:
         if not 0 <= gdn_layer < self.num_layers:
