@@ -39,7 +39,7 @@ OPTIONS = tuple(field.name for field in fields(EngineConfig) if field.name != "m
 class LLM:
     """The offline API: `LLM(model_dir, **options)`, then `generate(prompts, sampling_params)`.
 
-    The options are the fields of `EngineConfig` (a4/engine/engine.py), which documents and checks them; the
+    The options are the fields of `EngineConfig` (a4/engine/config.py), which documents and checks them; the
     signature above lists each with its default. An unknown option is a TypeError naming it and the valid ones.
     """
 

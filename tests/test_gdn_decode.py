@@ -222,3 +222,25 @@ def test_gpu_report_reads_the_given_file(tmp_path, monkeypatch, capsys):
     assert checks.gpu_report() == {"meta": {"device": "a GPU"}}
     assert checks.gpu_report(tmp_path / "none.json") is None
     assert "No H200 figures at" in capsys.readouterr().out
+
+
+def test_engine_check_passes_on_a4(tiny_qwen3_5):
+    checks.check_static_decode_engine(tiny_qwen3_5)
+
+
+def test_engine_check_sees_a_wrong_conv_by_slot_and_names_its_check_first(tiny_qwen3_5, monkeypatch):
+    """A conv by slot without its silu: the default engine (notebook 04's decode) would not notice; the static-buffer
+    engine's tokens go wrong, and the failure names notebook 10's conv check before its own."""
+    import a4.layers.gdn_decode
+
+    def conv_without_silu(x, weight, conv_state, slots):
+        window = torch.cat([conv_state.index_select(0, slots), x[:, :, None]], dim=2)
+        conv_state.index_copy_(0, slots, window[:, :, 1:])
+        return F.conv1d(window, weight, groups=window.shape[1])[:, :, 0]
+
+    monkeypatch.setattr(a4.layers.gdn_decode, "conv_update_by_slot_", conv_without_silu)
+    with pytest.raises(CheckFailed) as failure:
+        checks.check_static_decode_engine(tiny_qwen3_5)
+    lines = str(failure.value).splitlines()
+    assert lines[0].startswith("fix notebook 10's failing checks first (gdn-conv-by-slot)"), lines[0]
+    assert any(line.startswith("this check's own failure: CheckFailed") for line in lines)

@@ -51,7 +51,9 @@ class Engine:
         self.model_config, model, self.load_report = load_model(
             config.model_dir, dtype=config.torch_dtype, device=config.torch_device, progress=progress
         )
-        mtp = load_mtp_module(config, self.model_config, model) if config.speculative_tokens and drafter is None else None
+        mtp = None
+        if config.speculative_tokens and drafter is None:
+            mtp = load_mtp_module(config, self.model_config, model)
         if drafter is not None and not config.speculative_tokens:
             raise ValueError("a drafter was given but speculative_tokens is 0: set speculative_tokens=k to use it")
         draft_kv_layers = len(mtp.layers) if mtp is not None else getattr(drafter, "kv_layers", 0)
@@ -176,7 +178,8 @@ class Engine:
                 result = self.worker.run_batch(batch, lambda tokens, errors: self._book(batch, tokens, errors))
             except BaseException as e:
                 for req in batch.reqs:
-                    self.scheduler.abort_req(req, "abort", f"the step running this request raised {type(e).__name__}: {e}")
+                    error = f"the step running this request raised {type(e).__name__}: {e}"
+                    self.scheduler.abort_req(req, "abort", error)
                     self.sampler.remove_req(req)
                 raise
             finally:

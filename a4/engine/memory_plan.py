@@ -80,7 +80,8 @@ class MemoryLedger:
         """The same model with every layer full attention: KV in every layer, no state (what a hybrid saves)."""
         element_bytes = torch.empty((), dtype=dtype).element_size()
         return cls(
-            kv_bytes_per_token=2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * element_bytes,
+            kv_bytes_per_token=2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim
+            * element_bytes,
             table_bytes_per_slot=config.max_position_embeddings * TABLE_ENTRY_BYTES,
         )
 

@@ -112,9 +112,8 @@ class MTPDrafter:
             chained_reqs = [reqs[r] for r in chained]
             positions = [req.computed_len + i - 1 for req in chained_reqs]
             one_each = [1] * len(chained)
-            out = self._forward(
-                ForwardMode.DECODE, tokens[rows], chained_reqs, positions, one_each, hidden[rows], list(range(len(chained)))
-            )
+            rows_out = list(range(len(chained)))
+            out = self._forward(ForwardMode.DECODE, tokens[rows], chained_reqs, positions, one_each, hidden[rows], rows_out)
             hidden = hidden.index_copy(0, rows, out)
             tokens = tokens.index_copy(0, rows, self.mtp.logits(out).argmax(-1))
             drafts.append(tokens)

@@ -35,6 +35,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from a4._overlay import REPO_ROOT
 from a4.checkpoints import preset_config
 from a4.course.checks import conclude
+from a4.course.checks._earlier import ENGINE, after_notebooks
 from a4.course.checks._harness import DTYPES, compare, compare_dtype, randn, shape_problems, tolerance
 from a4.course.checks.deltanet import CONV_KERNELS, SHAPES
 from a4.models.config import LINEAR_ATTENTION
@@ -445,3 +446,25 @@ def gpu_report(path: Path | None = None) -> dict[str, Any] | None:
         print(f"No H200 figures at {path}: the cells that draw them show nothing.")
         return None
     return json.loads(path.read_text())
+
+
+@after_notebooks(*ENGINE, "05", "10")
+def check_static_decode_engine(checkpoint: str | Path) -> None:
+    """The engine's decode on static buffers (`cuda_graphs=True`: on a CPU the GPU's decode path, run eagerly), whose
+    GDN layers decode with your two functions: the shared prompts (1 to 300 tokens) through 3 slots, chunked prefill,
+    decode batches padded to buckets of 2 and 4 on the padding slot, slots reused; every token equal to
+    transformers' greedy `generate`."""
+    from a4.course.checks.state_pool import MAX_NEW_TOKENS, reference_tokens, shared_prompts, token_problems
+    from a4.core import SamplingParams
+    from a4.llm import LLM
+
+    prompts = shared_prompts(checkpoint)
+    llm = LLM(checkpoint, cuda_graphs=True, max_running_requests=3, max_prefill_tokens=64,
+              hybrid_prefix_policy="refuse")  # fmt: skip
+    outputs = llm.generate(prompts, SamplingParams(max_new_tokens=MAX_NEW_TOKENS))
+    problems = token_problems("static-buffer decode", outputs, prompts, reference_tokens(checkpoint))
+    conclude(
+        problems,
+        f"{len(prompts)} requests through 3 slots, decoded on static buffers with your by-slot functions: "
+        f"{sum(len(o.token_ids) for o in outputs)} tokens equal to transformers'",
+    )

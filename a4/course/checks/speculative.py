@@ -603,8 +603,9 @@ def engine_function_failures() -> list[str]:
     return failures
 
 
-# The engine's verify pass runs notebook 10's GDN decode step by slot at every position (a4/layers/gdn_backend.py).
-@after_notebooks(*ENGINE, "05", "10")
+# On the CPU the engine's verify pass runs this notebook's verify functions (a4/layers/gdn_backend.py), not
+# notebook 10's decode step by slot: that one serves the static-buffer runner, whose check is notebook 10's.
+@after_notebooks(*ENGINE, "05")
 def check_speculative_greedy(checkpoint: str | Path, k: int = ENGINE_K) -> None:
     """For every acceptance length j = 0..k: drafts right for their first j tokens, and the engine's tokens equal to
     transformers' greedy ones, token by token (prompts of 1 to 300 tokens through 3 slots, chunked prefill); the

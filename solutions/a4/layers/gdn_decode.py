@@ -1,7 +1,8 @@
 """Exercises (notebook 10): the Gated DeltaNet decode step in a form a CUDA graph can capture.
 
-On a GPU a decode step of a small model is mostly waiting: each of its thousands of small kernels takes a few
-microseconds of GPU time, and Python takes longer than that to launch it. A CUDA graph removes the wait: the
+On a GPU a decode step of a small model is mostly waiting: each of its kernels (574 per step of Qwen3.5-0.8B on an
+H200, notebook 10) takes about 3 microseconds of GPU time, and Python takes longer than that to launch it (about 49
+microseconds of wall time per kernel in the uncaptured step). A CUDA graph removes the wait: the
 engine records the step's kernels once (capture) and launches the whole recording with one call (replay). Replay
 runs exactly the recorded kernels, on exactly the recorded memory, so the step must be written for it:
 
