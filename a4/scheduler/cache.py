@@ -11,8 +11,8 @@ partial last page, or everything when the cache is disabled) goes back to the fr
 
 A hybrid model's request also has a state in its slot (StatePool), which describes exactly the tokens fed so far.
 Each time KV is handed to the tree, a copy of that state is offered to the prefix cache too (`save_state`: kept by
-the hybrid model's cache, notebook 07), and a request admitted with a prefix hit gets the state saved there
-(`restore_state`).
+the hybrid model's cache, notebook 07), and a request just admitted gets its state once, in `give_state`: the one
+saved where its prefix hit ends (`restore_state`), or zeros (`StatePool.clear_new_requests`).
 """
 
 from __future__ import annotations
