@@ -42,6 +42,11 @@ class MemoryPlanError(ValueError):
     """The budget cannot hold even one request slot and one KV page."""
 
 
+def kv_bytes_per_layer_token(config: ModelConfig, dtype: torch.dtype) -> int:
+    """K and V of one token in one attention layer: every KV head, in the model's dtype."""
+    return 2 * config.num_key_value_heads * config.head_dim * torch.empty((), dtype=dtype).element_size()
+
+
 @dataclass(frozen=True)
 class MemoryLedger:
     """What a model costs per token and per request slot, in bytes."""
@@ -53,46 +58,30 @@ class MemoryLedger:
     verify_bytes_per_slot: int = 0
 
     @classmethod
-    def from_config(
-        cls,
-        config: ModelConfig,
-        dtype: torch.dtype,
-        *,
-        state_bytes_per_slot: int = 0,
-        draft_kv_layers: int = 0,
-        verify_bytes_per_slot: int = 0,
-    ) -> MemoryLedger:
-        """`draft_kv_layers`: attention layers of a draft model (Qwen3.5's MTP module: one) that keep KV in the same
-        pool, with the main model's KV heads and head size."""
-        element_bytes = torch.empty((), dtype=dtype).element_size()
-        kv_layers = len(config.full_attention_layers) + draft_kv_layers
+    def from_config(cls, config: ModelConfig, dtype: torch.dtype, *, state_bytes_per_slot: int = 0) -> MemoryLedger:
+        """KV of the model's full-attention layers per token, the table row and `state_bytes_per_slot` per slot."""
         return cls(
-            # K and V, for each KV head of each layer that keeps a KV cache.
-            kv_bytes_per_token=2 * kv_layers * config.num_key_value_heads * config.head_dim * element_bytes,
+            kv_bytes_per_token=len(config.full_attention_layers) * kv_bytes_per_layer_token(config, dtype),
             # A row spans the longest context the model accepts (the engine may use fewer entries).
             table_bytes_per_slot=config.max_position_embeddings * TABLE_ENTRY_BYTES,
             state_bytes_per_slot=state_bytes_per_slot,
-            verify_bytes_per_slot=verify_bytes_per_slot,
         )
 
     @classmethod
     def all_attention(cls, config: ModelConfig, dtype: torch.dtype) -> MemoryLedger:
         """The same model with every layer full attention: KV in every layer, no state (what a hybrid saves)."""
-        element_bytes = torch.empty((), dtype=dtype).element_size()
         return cls(
-            kv_bytes_per_token=2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim
-            * element_bytes,
+            kv_bytes_per_token=config.num_hidden_layers * kv_bytes_per_layer_token(config, dtype),
             table_bytes_per_slot=config.max_position_embeddings * TABLE_ENTRY_BYTES,
         )
 
     def with_speculation(self, config: ModelConfig, dtype: torch.dtype, draft_kv_layers: int, num_tokens: int):
-        """This ledger plus what speculative decoding adds: a draft model's attention layers, which keep KV in the
-        same pool with the main model's heads, and the states a verify pass of `num_tokens` positions keeps."""
-        element_bytes = torch.empty((), dtype=dtype).element_size()
-        draft_kv = 2 * draft_kv_layers * config.num_key_value_heads * config.head_dim * element_bytes
+        """This ledger plus what speculative decoding adds: a draft model's attention layers (Qwen3.5's MTP module:
+        one), which keep KV in the same pool with the main model's heads, and the states a verify pass of
+        `num_tokens` positions keeps."""
         return replace(
             self,
-            kv_bytes_per_token=self.kv_bytes_per_token + draft_kv,
+            kv_bytes_per_token=self.kv_bytes_per_token + draft_kv_layers * kv_bytes_per_layer_token(config, dtype),
             verify_bytes_per_slot=num_tokens * self.state_bytes_per_slot,
         )
 
