@@ -206,7 +206,7 @@ def test_seeds_reproduce_sampled_tokens_and_greedy_requests_stay_exact(tiny_qwen
     greedy = SamplingParams(max_new_tokens=10)
     # Greedy and sampled requests interleaved in one batch, then the sampled ones alone, in another order, 2 at a time.
     mixed_llm = LLM(tiny_qwen3_5, drafter=drafter, speculative_tokens=3)
-    mixed = mixed_llm.generate([p for p in prompts for _ in (0, 1)], [q for params in sampled for q in (params, greedy)])
+    mixed = mixed_llm.generate([p for p in prompts for _ in (0, 1)], [q for s in sampled for q in (s, greedy)])
     alone = LLM(tiny_qwen3_5, drafter=drafter, speculative_tokens=3, max_running_requests=2).generate(
         prompts[::-1], sampled[::-1]
     )

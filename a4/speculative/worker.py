@@ -134,7 +134,7 @@ class SpeculativeWorker(ModelWorker):
         errors = logits_errors(logits)
         device, (k, vocab) = self.runner.device, (logits.shape[1] - 1, logits.shape[2])
         # One request's k + 1 rows share its sampling parameters: one call per request, not per row.
-        target_probs = torch.stack([sampling_distribution(rows, req.sampling_params) for rows, req in zip(logits, reqs)])
+        target_probs = torch.stack([sampling_distribution(rows, r.sampling_params) for rows, r in zip(logits, reqs)])
         # The random numbers come from each request's own generator, in a fixed order (k uniforms, then the draw's
         # noise): a seeded request's tokens do not depend on the rest of its batch.
         generators = [self.sampler.generator(req) for req in reqs]
