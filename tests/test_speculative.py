@@ -177,11 +177,3 @@ def test_speculative_settings_are_checked(tiny_qwen3, tiny_qwen3_5, tiny_qwen3_5
     with pytest.raises(ValueError, match="state_fraction cannot be combined with speculative_tokens"):
         LLM(tiny_qwen3_5, speculative_tokens=1, state_fraction=0.5)
 
-
-def test_sampling_is_refused_with_a_clear_error_and_greedy_requests_still_run(tiny_qwen3_5):
-    reference = hf_greedy(tiny_qwen3_5, PROMPTS[:1], MAX_NEW)
-    llm = LLM(tiny_qwen3_5, speculative_tokens=2)
-    params = [SamplingParams(max_new_tokens=4, temperature=0.7), SamplingParams(max_new_tokens=MAX_NEW)]
-    sampled, greedy = llm.generate([PROMPTS[1], PROMPTS[0]], params)
-    assert sampled.finish_reason == "error" and "greedily" in sampled.error
-    assert greedy.token_ids == reference[0]

@@ -139,7 +139,7 @@ class Engine:
         with self.serving():
             req = Req(uid=self._next_uid, input_ids=list(input_ids), sampling_params=sampling_params)
             self._next_uid += 1
-            error = self._prompt_error(req.input_ids) or self.worker.check_request(req)
+            error = self._prompt_error(req.input_ids)
             if error is not None:
                 req.finished, req.finish_reason, req.error = True, "error", error
                 return req

@@ -11,6 +11,9 @@ the greedy limit of T -> 0 (a draw among the tokens tied for the largest logit),
 
 A request whose logits are not finite (a model or checkpoint gone wrong) or cannot be sampled gets an error instead
 of a token, and finishes alone: the other requests of its batch are served as usual.
+
+A speculative engine (a4/speculative/worker.py) verifies a sampled request's drafts against the very distribution this
+sampler draws from (`sampling_distribution`), with random numbers from the request's own generator (`generator`).
 """
 
 from __future__ import annotations
@@ -41,32 +44,46 @@ class Sampler:
     def remove_req(self, req: Req) -> None:
         self._generators.pop(req.uid, None)
 
+    def generator(self, req: Req) -> torch.Generator | None:
+        """The generator req draws from: its own when it has a seed, else None (torch's default one)."""
+        return self._generators.get(req.uid)
+
     def sample(self, logits: torch.Tensor, reqs: list[Req]) -> list[Sample]:
         """One token (or an error) per row of logits [len(reqs), vocab] (float32)."""
-        # One device-to-host copy for both: each copy waits for the GPU.
-        tokens, finite = torch.stack((logits.argmax(dim=-1), torch.isfinite(logits).all(dim=-1).long())).tolist()
+        tokens = logits.argmax(dim=-1).tolist()
+        errors = logits_errors(logits)
         samples = []
         for i, req in enumerate(reqs):
-            params = req.sampling_params
-            if not finite[i]:
-                samples.append(Sample(None, _non_finite_error(logits[i])))
-            elif params.temperature > 0:
+            if errors[i] is not None:
+                samples.append(Sample(None, errors[i]))
+            elif req.sampling_params.temperature > 0:
                 samples.append(self._draw(logits[i], req))
             else:
                 samples.append(Sample(tokens[i]))
         return samples
 
     def _draw(self, logits: torch.Tensor, req: Req) -> Sample:
-        params = req.sampling_params
-        # A temperature below the smallest normal float32 would round to 0 in the division (0 / 0 = NaN at the
-        # maximum); at that size every gap overflows to -inf either way.
-        temperature = max(params.temperature, torch.finfo(logits.dtype).tiny)
-        scaled = (logits - logits.max()) / temperature
-        probs = torch.softmax(_filter_logits(scaled, params), dim=-1)
+        probs = sampling_distribution(logits, req.sampling_params)
         try:
-            return Sample(int(torch.multinomial(probs, 1, generator=self._generators.get(req.uid))[0]))
+            return Sample(int(torch.multinomial(probs, 1, generator=self.generator(req))[0]))
         except RuntimeError as e:
-            return Sample(None, f"sampling failed with {params}: {e}")
+            return Sample(None, f"sampling failed with {req.sampling_params}: {e}")
+
+
+def sampling_distribution(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution a sampled request (temperature > 0) draws its next token from, for each row of logits
+    [..., vocab] (float32): the temperature, then the top_k / top_p cut, then softmax."""
+    # A temperature below the smallest normal float32 would round to 0 in the division (0 / 0 = NaN at the maximum);
+    # at that size every gap overflows to -inf either way.
+    temperature = max(params.temperature, torch.finfo(logits.dtype).tiny)
+    scaled = (logits - logits.max(dim=-1, keepdim=True).values) / temperature
+    return torch.softmax(_filter_logits(scaled, params), dim=-1)
+
+
+def logits_errors(logits: torch.Tensor) -> list[str | None]:
+    """Per row of logits [N, ...]: why it cannot be sampled (it is not finite), or None."""
+    finite = torch.isfinite(logits.flatten(1)).all(dim=-1).tolist()
+    return [None if ok else _non_finite_error(row) for ok, row in zip(finite, logits)]
 
 
 def _non_finite_error(logits: torch.Tensor) -> str:
@@ -78,15 +95,15 @@ def _non_finite_error(logits: torch.Tensor) -> str:
 
 
 def _filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """logits [vocab] with every token outside the top_k / top_p set at -inf."""
-    if 0 < params.top_k < logits.numel():
-        kth_largest = torch.topk(logits, params.top_k).values[-1]
+    """logits [..., vocab] with every token outside each row's top_k / top_p set at -inf."""
+    if 0 < params.top_k < logits.shape[-1]:
+        kth_largest = torch.topk(logits, params.top_k).values[..., -1:]
         logits = logits.masked_fill(logits < kth_largest, float("-inf"))
     if params.top_p < 1.0:
         sorted_logits, order = torch.sort(logits, descending=True)
         sorted_probs = torch.softmax(sorted_logits, dim=-1)
         # Drop a token when the tokens before it already reach top_p; the most likely token is always kept.
         drop_sorted = sorted_probs.cumsum(dim=-1) - sorted_probs >= params.top_p
-        drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     return logits

@@ -33,10 +33,6 @@ class ModelWorker:
     def __init__(self, runner: ModelRunner, sampler: Sampler) -> None:
         self.runner, self.sampler = runner, sampler
 
-    def check_request(self, req: Req) -> str | None:
-        """Why this worker cannot serve the request, or None."""
-        return None
-
     def run_batch(self, batch: Batch, book: Book) -> StepResult:
         """Run the batch and book it with `book`, which the engine gives."""
         logits = self.runner.forward(batch).logits

@@ -1,9 +1,10 @@
 """Drafters: who proposes the tokens a speculative decode step verifies.
 
 A decode step with speculation (Engine, `speculative_tokens=k`) asks its drafter for up to k tokens per request,
-feeds the main model each request's last token followed by its drafts, and keeps the drafts greedy verification
-agrees with plus the model's own next token. Whatever the drafts, the output is the model's greedy output: a bad
-draft only costs the work of verifying it. Two drafters:
+feeds the main model each request's last token followed by its drafts, and keeps the drafts verification accepts
+plus one token of the model's own. Whatever the drafts, the output is the model's greedy output, or for a sampled
+request a draw from its sampling distribution (rejection sampling): a bad draft only costs the work of verifying
+it. Both drafters are greedy (a draft is one token, not a distribution). Two drafters:
 
 - `MTPDrafter`: Qwen3.5's multi-token-prediction module (a4/models/qwen3_5_mtp.py), one decoder layer that reads the
   main model's last hidden state and the next token. It keeps KV of its own, one more layer of the engine's KV pool,

@@ -2,8 +2,13 @@
 
 A decode step asks the drafter (a4/speculative/drafter.py) for k tokens per request and feeds every request its last
 token and its drafts: a TARGET_VERIFY step of k + 1 tokens each, through the same static-buffer runner as a plain
-decode step (captured on CUDA). Greedy verification keeps the drafts that agree with the model's own tokens plus the
-model's token after them (`greedy_accept`). KV of rejected positions is simply overwritten later; a Gated DeltaNet
+decode step (captured on CUDA). A greedy request (temperature 0) keeps the drafts that agree with the model's own
+tokens plus the model's token after them (`greedy_accept`): its output is plain greedy decoding's, token for token. A
+sampled request accepts by rejection sampling (`rejection_accept`): each draft with probability p(draft) under the
+distribution the plain sampler would draw from at that position, then one token drawn from the residual at the first
+rejection, or from p after the last draft if all were accepted; its tokens are distributed as plain sampling's, and
+its seed, if any, makes them reproducible (its random numbers come from its own generator). Both kinds share a batch.
+KV of rejected positions is simply overwritten later; a Gated DeltaNet
 state cannot be cut, so the verify pass kept the state after every position in the state pool's verify buffers, and
 the pool commits the one after the last kept token (`StatePool.commit_verified`, notebook 11's `spec-commit`) before
 the scheduler books the step, so that a prefix-cache checkpoint only ever holds a committed state. Then the drafter
@@ -21,12 +26,13 @@ import torch
 
 from a4.core import Batch, ForwardMode, Req
 from a4.engine.model_runner import ModelRunner, forward_mode
-from a4.engine.sampling import Sampler
+from a4.engine.sampling import Sampler, logits_errors, sampling_distribution
 from a4.engine.worker import Book, ModelWorker, StepResult
 from a4.speculative.drafter import Drafter
-from a4.speculative.verify import greedy_accept
+from a4.speculative.verify import greedy_accept, rejection_accept
 
-# The token fed where a drafter proposed fewer than k: any valid id will do, as greedy_accept never accepts a -1 draft.
+# The token fed where a drafter proposed fewer than k: any valid id will do, as neither acceptance rule accepts a -1
+# draft.
 FILLER_TOKEN = 0
 
 
@@ -43,14 +49,6 @@ class SpeculativeWorker(ModelWorker):
         scheduler's rule)."""
         super().__init__(runner, sampler)
         self.drafter, self.num_draft_tokens, self.keep_tokens = drafter, num_draft_tokens, keep_tokens
-
-    def check_request(self, req: Req) -> str | None:
-        if req.sampling_params.temperature > 0:
-            return (
-                f"temperature {req.sampling_params.temperature} with speculative decoding: this engine verifies "
-                "drafts greedily (temperature 0) only; build it with speculative_tokens=0 to sample"
-            )
-        return None
 
     def run_batch(self, batch: Batch, book: Book) -> StepResult:
         drafted = accepted = 0
@@ -94,12 +92,34 @@ class SpeculativeWorker(ModelWorker):
         return [list(d) + [-1] * (k - len(d)) for d in proposed]
 
     def _accept(self, batch: Batch, drafts: list[list[int]], logits: torch.Tensor):
-        """Greedy verification: each request keeps the drafts that agree with the model's own tokens, then the
-        model's token after them, cut at a token that finishes it; the state pool commits the states after the
-        last token kept."""
+        """Verification: each request keeps the drafts it accepts, then one more token from the model's logits after
+        them (greedy or sampled, as it asks), cut at a token that finishes it; the state pool commits the states after
+        the last token kept."""
         reqs, width = batch.reqs, self.num_draft_tokens + 1
-        row_reqs = [req for req in reqs for _ in range(width)]
-        samples = self.sampler.sample(logits, row_reqs)
+        logits = logits.view(len(reqs), width, -1)
+        accepted, last_tokens, errors = [0] * len(reqs), [-1] * len(reqs), [None] * len(reqs)
+        sampled = [req.sampling_params.temperature > 0 for req in reqs]
+        for accept, samples in ((self._accept_greedy, False), (self._accept_sampled, True)):
+            rows = [i for i, s in enumerate(sampled) if s == samples]
+            if rows:
+                found = accept([reqs[i] for i in rows], [drafts[i] for i in rows], logits[rows])
+                for i, a, token, error in zip(rows, *found):
+                    accepted[i], last_tokens[i], errors[i] = a, token, error
+        next_tokens = [
+            self.keep_tokens(req, d[:a] + [t]) for req, d, t, a in zip(reqs, drafts, last_tokens, accepted)
+        ]
+        if self.runner.state_pool is not None:
+            device = self.runner.device
+            slots = torch.tensor([req.slot for req in reqs], device=device)
+            # At least the model's own token is kept: the last committed one was fed at verify position 0.
+            kept_lens = torch.tensor([max(len(tokens), 1) for tokens in next_tokens], device=device)
+            self.runner.state_pool.commit_verified(slots, kept_lens)
+        return next_tokens, errors, sum(accepted)
+
+    def _accept_greedy(self, reqs: list[Req], drafts: list[list[int]], logits: torch.Tensor):
+        """Per greedy request: drafts accepted, the model's token after them, error (logits [B, k+1, vocab])."""
+        width = logits.shape[1]
+        samples = self.sampler.sample(logits.flatten(0, 1), [req for req in reqs for _ in range(width)])
         errors, targets = [], []
         for i in range(len(reqs)):
             mine = samples[i * width : (i + 1) * width]
@@ -107,16 +127,26 @@ class SpeculativeWorker(ModelWorker):
             targets.append([s.token if s.token is not None else -1 for s in mine])
         device = self.runner.device
         accepted = greedy_accept(torch.tensor(drafts, device=device), torch.tensor(targets, device=device)).tolist()
-        next_tokens = [
-            self.keep_tokens(req, d[:a] + [t[a]])
-            for req, d, t, a in zip(reqs, drafts, targets, accepted)
-        ]
-        if self.runner.state_pool is not None:
-            slots = torch.tensor([req.slot for req in reqs], device=device)
-            # At least the model's own token is kept: the last committed one was fed at verify position 0.
-            kept_lens = torch.tensor([max(len(tokens), 1) for tokens in next_tokens], device=device)
-            self.runner.state_pool.commit_verified(slots, kept_lens)
-        return next_tokens, errors, sum(accepted)
+        return accepted, [t[a] for t, a in zip(targets, accepted)], errors
+
+    def _accept_sampled(self, reqs: list[Req], drafts: list[list[int]], logits: torch.Tensor):
+        """Per sampled request: drafts accepted, the token drawn after them, error (logits [B, k+1, vocab])."""
+        errors = logits_errors(logits)
+        device, (k, vocab) = self.runner.device, (logits.shape[1] - 1, logits.shape[2])
+        # One request's k + 1 rows share its sampling parameters: one call per request, not per row.
+        target_probs = torch.stack([sampling_distribution(rows, r.sampling_params) for rows, r in zip(logits, reqs)])
+        # The random numbers come from each request's own generator, in a fixed order (k uniforms, then the draw's
+        # noise): a seeded request's tokens do not depend on the rest of its batch.
+        generators = [self.sampler.generator(req) for req in reqs]
+        uniforms = torch.stack([torch.rand(k, generator=g, device=device) for g in generators])
+        noise = torch.stack([torch.empty(vocab, device=device).exponential_(generator=g) for g in generators])
+        accepted, next_probs = rejection_accept(torch.tensor(drafts, device=device), target_probs, uniforms)
+        # The draw torch.multinomial makes for one sample (the largest p / Exp(1) noise is distributed as p), done
+        # for the whole batch at once and without multinomial's host syncs. A request whose logits were not finite
+        # draws garbage here; its error finishes it instead.
+        tokens = (next_probs / noise).argmax(dim=1)
+        accepted, tokens = torch.stack([accepted, tokens]).tolist()
+        return accepted, tokens, errors
 
     def _observe(self, batch: Batch, committed: list[int], hidden: torch.Tensor) -> None:
         """The drafter catches up, once the step is booked, over each unfinished request's committed rows (the first

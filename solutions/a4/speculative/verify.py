@@ -12,6 +12,11 @@ after *every* position, and the commit copies into the pool the one after the la
 are that verify pass for one GDN layer (the conv and the delta rule, each returning its states position by
 position), greedy acceptance, and the commit. Every request is a row of the same batched tensor operations: no
 Python loop over the requests (the recurrence walks the L positions, as notebook 04's does).
+
+A sampled request (temperature > 0) cannot compare drafts with one "model's token": its next token is a draw. It
+accepts by rejection sampling instead (`rejection_accept`, given, not an exercise: notebook 11 shows it at work), so
+that its tokens are distributed exactly as plain sampling's; how long a prefix it keeps is still a length a, and the
+state half is the same commit.
 """
 
 from __future__ import annotations
@@ -102,6 +107,51 @@ def greedy_accept(draft_ids: torch.Tensor, target_ids: torch.Tensor) -> torch.Te
     # A running product is 1 up to the first disagreement and 0 from there: its sum is the accepted length.
     return agrees.cumprod(dim=1).sum(dim=1)
     # END SOLUTION
+
+
+def rejection_accept(
+    draft_ids: torch.Tensor, target_probs: torch.Tensor, uniforms: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """How many drafted tokens each sampled request accepts, and the distribution its next token is drawn from:
+    speculative sampling (Leviathan et al. 2023, Chen et al. 2023). Given code.
+
+    draft_ids: [B, k] int64, as for `greedy_accept` (-1 pads a request that drafted fewer than k). target_probs:
+    [B, k+1, V] float32, the distribution p_j the request samples from after verify position j, its temperature,
+    top_k and top_p applied (`a4.engine.sampling.sampling_distribution`). uniforms: [B, k] in [0, 1), one per draft.
+
+    A drafter that drew x from its own distribution q accepts it with probability min(1, p(x) / q(x)) and, on a
+    rejection, draws from the residual max(p - q, 0) / its sum instead; either way the token comes out with
+    probability p(x). a4's drafters are greedy: q is one-hot on the draft, so draft j is accepted with probability
+    p_j(draft j) (when uniforms[:, j] < p_j(draft j), the drafts before it accepted), and the residual is p_j with the
+    draft's token removed, renormalised. A -1 draft is never accepted, and as nothing was proposed there, its
+    "residual" is p_j itself.
+
+    Returns (accepted [B] int64, next_probs [B, V]). The request gains draft_ids[i, :a] (a = accepted[i]), then one
+    token drawn from next_probs[i]: the residual at position a if draft a was rejected, or p_k, the bonus token after
+    the last draft, if all k were accepted.
+    """
+    batch, k = draft_ids.shape
+    if target_probs.dim() != 3 or target_probs.shape[:2] != (batch, k + 1) or uniforms.shape != draft_ids.shape:
+        raise ValueError(
+            f"rejection_accept: draft_ids must be [B, k], target_probs [B, k+1, V] and uniforms [B, k]; got "
+            f"{tuple(draft_ids.shape)}, {tuple(target_probs.shape)} and {tuple(uniforms.shape)}"
+        )
+    proposed = draft_ids >= 0
+    # p_j(draft j), read at token 0 where there is no draft (masked out by `proposed`).
+    draft_probs = target_probs[:, :k].gather(2, draft_ids.clamp(min=0).unsqueeze(2)).squeeze(2)
+    agrees = ((uniforms < draft_probs) & proposed).long()
+    # Accepted up to the first rejection, as in greedy_accept.
+    accepted = agrees.cumprod(dim=1).sum(dim=1)
+
+    rows = torch.arange(batch, device=draft_ids.device)
+    probs_at_a = target_probs[rows, accepted]
+    # The draft rejected at position a: none (-1) after all k were accepted (the bonus draws from p_k) or on padding.
+    no_draft = draft_ids.new_full((batch, 1), -1)
+    rejected = torch.cat([draft_ids, no_draft], dim=1)[rows, accepted]
+    residual = probs_at_a.scatter(1, rejected.clamp(min=0).unsqueeze(1), 0.0)
+    residual = torch.where((rejected >= 0).unsqueeze(1), residual, probs_at_a)
+    # Never all zero: a draft is rejected only when p(draft) <= u < 1, which leaves mass on other tokens.
+    return accepted, residual / residual.sum(dim=1, keepdim=True)
 
 
 def commit_verified_states_(
