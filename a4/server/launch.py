@@ -1,0 +1,43 @@
+"""Putting the server together: the engine of a checkpoint, its loop, its metrics and the app; uvicorn runs it.
+
+uvicorn handles SIGINT and SIGTERM: it stops accepting connections, gives the open ones SHUTDOWN_GRACE_SECONDS to
+finish, cancels the rest (their requests are aborted), then the app's lifespan stops the engine loop.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI
+
+from a4.engine.engine import Engine, EngineConfig
+from a4.server.app import create_app
+from a4.server.engine_loop import EngineLoop
+from a4.server.metrics import ServerMetrics
+
+DEFAULT_MAX_QUEUED_REQUESTS = 128
+SHUTDOWN_GRACE_SECONDS = 5
+
+
+def build_app(
+    model_dir: str | Path,
+    tokenizer,
+    *,
+    served_model_name: str | None = None,
+    max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS,
+    **engine_options: Any,
+) -> FastAPI:
+    """The app serving the checkpoint in model_dir; `engine_options`: EngineConfig's fields. The model's name in the
+    API is `served_model_name`, by default the directory's name."""
+    if isinstance(max_queued_requests, bool) or not isinstance(max_queued_requests, int) or max_queued_requests < 0:
+        raise ValueError(f"max_queued_requests must be a non-negative integer, got {max_queued_requests!r}")
+    engine = Engine(EngineConfig(model_dir, **engine_options))
+    engine_loop = EngineLoop(engine, ServerMetrics(engine), max_queued_requests)
+    return create_app(engine_loop, tokenizer, served_model_name or Path(model_dir).name)
+
+
+def run_server(app: FastAPI, host: str, port: int) -> None:
+    """Serve until SIGINT or SIGTERM (port 0: a free port, which uvicorn's "running on" line names)."""
+    uvicorn.run(app, host=host, port=port, timeout_graceful_shutdown=SHUTDOWN_GRACE_SECONDS)
