@@ -14,7 +14,7 @@ refuses is still a plain 400; then it is one JSON body, or with `stream: true` s
 `data: [DONE]`. A client that disconnects, while waiting or while streaming, aborts its request.
 
 Errors are OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`: 400 for a bad body, 404 for an
-unknown model or route, 503 with Retry-After when the engine loop's bound is reached, 500 if the engine fails a
+unknown model or route, 503 with Retry-After when the engine loop's bound is reached (or it is stopping), 500 if the engine fails a
 request after it started.
 """
 
@@ -36,7 +36,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from a4.engine.validation import prompt_error
 from a4.server.detokenizer import IncrementalDetokenizer
-from a4.server.engine_loop import EngineLoop, QueueFull, RequestStream
+from a4.server.engine_loop import EngineLoop, RequestStream, Unavailable
 from a4.server.protocol import (
     FINISH_REASONS,
     AssistantMessage,
@@ -104,6 +104,7 @@ def create_app(engine_loop: EngineLoop, tokenizer, model_name: str) -> FastAPI:
         await asyncio.to_thread(engine_loop.stop)
 
     app = FastAPI(title="a4", lifespan=lifespan)
+    app.state.engine_loop = engine_loop  # for tests and notebooks: the engine behind the app
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, error: APIError) -> JSONResponse:
@@ -118,8 +119,8 @@ def create_app(engine_loop: EngineLoop, tokenizer, model_name: str) -> FastAPI:
         kind = "not_found_error" if error.status_code == 404 else "invalid_request_error"
         return APIError(error.status_code, str(error.detail), type=kind).response()
 
-    @app.exception_handler(QueueFull)
-    async def queue_full(request: Request, error: QueueFull) -> JSONResponse:
+    @app.exception_handler(Unavailable)
+    async def unavailable(request: Request, error: Unavailable) -> JSONResponse:
         headers = {"Retry-After": str(RETRY_AFTER_SECONDS)}
         return APIError(503, str(error), type="server_error", code="server_busy", headers=headers).response()
 

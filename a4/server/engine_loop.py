@@ -8,7 +8,8 @@ tokens go back to its handler through its `RequestStream`, an asyncio queue on t
 prefix-cache locks and state at the next turn of the loop, within one step.
 
 The inbox is bounded by what it admits, not by its length: past `max_running_requests + max_queued_requests`
-unfinished requests, `submit` raises QueueFull (the server answers 503) and the engine keeps serving the others.
+unfinished requests, `submit` raises Unavailable (the server answers 503) and the engine keeps serving the others;
+so it does once `stop` has begun. Stopping aborts every request left, so that no handler waits for ever.
 The roles are those of SGLang's scheduler process (here a thread) and its TokenizerManager's per-request state; text
 is the handlers' business.
 """
@@ -28,8 +29,8 @@ from a4.server.metrics import ServerMetrics
 logger = logging.getLogger(__name__)
 
 
-class QueueFull(Exception):
-    """Too many unfinished requests: the client should retry later."""
+class Unavailable(Exception):
+    """The loop takes no more requests now (too many unfinished, or it is stopping): the client should retry later."""
 
 
 @dataclass(frozen=True)
@@ -92,7 +93,8 @@ class EngineLoop:
 
     def stop(self, timeout: float = 10.0) -> None:
         """Abort every unfinished request (their handlers see finish_reason "abort") and end the thread."""
-        self._stopping.set()
+        with self._lock:
+            self._stopping.set()
         self._inbox.put(None)  # wakes the loop if it waits for work
         self._thread.join(timeout)
         if self._thread.is_alive():
@@ -101,16 +103,19 @@ class EngineLoop:
     # ------------------------------------------------------------------------------------ called by the handlers
 
     def submit(self, input_ids: list[int], params: SamplingParams) -> RequestStream:
-        """Queue a request (from a coroutine on the server's event loop); QueueFull past the bound."""
+        """Queue a request (from a coroutine on the server's event loop); Unavailable past the bound or once stopping."""
+        stream = RequestStream(asyncio.get_running_loop())
+        # Under the lock with `stop`: a request queued before it is aborted by the loop's last turn, none after it.
         with self._lock:
+            if self._stopping.is_set():
+                raise Unavailable("the server is shutting down")
             if self._num_unfinished >= self.capacity:
-                raise QueueFull(
+                raise Unavailable(
                     f"the server holds {self._num_unfinished} unfinished requests, its limit "
                     f"(max_running_requests + max_queued_requests = {self.capacity}): retry later"
                 )
             self._num_unfinished += 1
-        stream = RequestStream(asyncio.get_running_loop())
-        self._inbox.put(("add", stream, input_ids, params))
+            self._inbox.put(("add", stream, input_ids, params))
         return stream
 
     def abort(self, stream: RequestStream) -> None:
@@ -130,6 +135,8 @@ class EngineLoop:
                     # for the others.
                     logger.exception("an engine step raised")
                 self._publish()
+            self._update_metrics()
+        self._take_inbox(wait=False)
         for running in self._running.values():
             self.engine.abort_req(running.req, "the server is shutting down")
         self._publish()
@@ -167,6 +174,8 @@ class EngineLoop:
             if req.finished:
                 del self._running[stream]
                 self._finished(req)
+
+    def _update_metrics(self) -> None:
         num_running = sum(running.req.admitted for running in self._running.values())
         self.metrics.engine_updated(self.engine, num_running, len(self._running) - num_running)
 

@@ -1,11 +1,15 @@
 """Putting the server together: the engine of a checkpoint, its loop, its metrics and the app; uvicorn runs it.
 
-uvicorn handles SIGINT and SIGTERM: it stops accepting connections, gives the open ones SHUTDOWN_GRACE_SECONDS to
-finish, cancels the rest (their requests are aborted), then the app's lifespan stops the engine loop.
+uvicorn handles SIGINT and SIGTERM: it stops accepting connections, waits for the open ones to finish, then runs the
+app's lifespan shutdown. `Server` stops the engine loop first, which aborts every request in flight, so that their
+responses end at once (a stream with an error event and `[DONE]`) instead of running on; a connection still open after
+SHUTDOWN_GRACE_SECONDS is cancelled.
 """
 
 from __future__ import annotations
 
+import asyncio
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +42,21 @@ def build_app(
     return create_app(engine_loop, tokenizer, served_model_name or Path(model_dir).name)
 
 
+class Server(uvicorn.Server):
+    """uvicorn's server, which ends the app's requests in flight as it begins to shut down."""
+
+    async def shutdown(self, sockets=None) -> None:
+        await asyncio.to_thread(self.config.app.state.engine_loop.stop)
+        await super().shutdown(sockets)
+
+
 def run_server(app: FastAPI, host: str, port: int) -> None:
-    """Serve until SIGINT or SIGTERM (port 0: a free port, which uvicorn's "running on" line names)."""
-    uvicorn.run(app, host=host, port=port, timeout_graceful_shutdown=SHUTDOWN_GRACE_SECONDS)
+    """Serve until SIGINT or SIGTERM, then return (port 0: a free port, which uvicorn's "running on" line names).
+
+    Once shut down, uvicorn raises the signal it caught again, for the handler that was there before it: SIGTERM is
+    given Python's SIGINT handler, so that both end here as a KeyboardInterrupt and the process exits normally."""
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        Server(uvicorn.Config(app, host=host, port=port, timeout_graceful_shutdown=SHUTDOWN_GRACE_SECONDS)).run()
+    except KeyboardInterrupt:
+        pass

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from a4.core import SamplingParams
 
@@ -74,6 +74,15 @@ class GenerationRequest(StrictModel):
 
 class CompletionRequest(GenerationRequest):
     prompt: str | list[int] = Field(min_length=1)  # text, or token ids
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _text_or_token_ids(cls, prompt: object) -> object:
+        # Checked before the union, whose own errors would name each of its members in turn.
+        is_token_ids = isinstance(prompt, list) and all(type(token) is int for token in prompt)
+        if not (isinstance(prompt, str) or is_token_ids):
+            raise ValueError(f"must be text or a list of token ids (integers), got {prompt!r:.60}")
+        return prompt
 
 
 class ChatMessage(StrictModel):
