@@ -341,10 +341,10 @@ def test_a_signal_shuts_the_server_down_cleanly_even_mid_stream(chat_model_dir, 
             if "Uvicorn running on " in line:
                 base_url = line.split("Uvicorn running on ")[1].split()[0]
         assert base_url is not None, "the server did not start:\n" + "".join(log)
-        with long_stream(base_url) as lines:
+        with long_stream(base_url) as events:
             process.send_signal(signum)
             # The request in flight is aborted, and its stream ends properly.
-            *_, aborted, done = [line for line in lines if line]
+            *_, aborted, done = [event for event in events if event]
             assert "shutting down" in json.loads(aborted.removeprefix("data: "))["error"]["message"]
             assert done == "data: [DONE]"
             process.wait(WAIT_SECONDS)
