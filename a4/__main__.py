@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import inspect
 import pkgutil
 import random
 import sys
@@ -325,28 +324,16 @@ def load_tokenizer(model_dir: Path, needed_by: str = "--text", alternative: str 
 
 def run_serve(args: argparse.Namespace) -> int:
     from a4.llm import OPTIONS
-    from a4.server.launch import build_app, run_server
+    from a4.server.launch import build_app, default_model_dir, run_server
 
-    model_dir = model_dir_or_fail(args.model_dir) if args.model_dir is not None else default_serve_model()
+    model_dir = model_dir_or_fail(args.model_dir) if args.model_dir is not None else default_model_dir()
     tokenizer = load_tokenizer(model_dir, "serve", "give --model-dir a checkpoint with its tokenizer files")
     # The flags given, and only those: the defaults are build_app's and EngineConfig's.
     options = {name: getattr(args, name) for name in (*OPTIONS, "max_queued_requests") if hasattr(args, name)}
     app = build_app(model_dir, tokenizer, served_model_name=args.served_model_name, **options)
-    print(f"serving {model_dir} on http://{args.host}:{args.port} (Ctrl-C to stop)", flush=True)
+    print(f"serving {model_dir} (uvicorn names the address below; Ctrl-C stops it)", flush=True)
     run_server(app, args.host, args.port)
     return 0
-
-
-def default_serve_model() -> Path:
-    """The trained tiny Qwen3.5, which has a tokenizer and a chat template (the random tiny checkpoints have none)."""
-    from a4.checkpoints import tiny_checkpoint
-
-    if "trained" not in inspect.signature(tiny_checkpoint).parameters:
-        raise UsageError(
-            "serve: this a4 has no trained tiny Qwen3.5 yet (tiny_checkpoint('qwen3_5', trained=True)); give "
-            "--model-dir DIR, a checkpoint directory with its tokenizer"
-        )
-    return tiny_checkpoint("qwen3_5", trained=True)
 
 
 # ------------------------------------------------------------------------------------------------------------- bench
