@@ -47,9 +47,9 @@ def write_chat_checkpoint(directory: str | Path) -> Path:
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=min(SPECIAL_TOKENS.values()), initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
-    )
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    trainer = trainers.BpeTrainer(vocab_size=min(SPECIAL_TOKENS.values()), initial_alphabet=alphabet,
+                                  show_progress=False)  # fmt: skip
     tokenizer.train_from_iterator(SENTENCES, trainer)
     # Special tokens are appended after the trained vocabulary: pad it with unused ids up to where Qwen keeps them.
     filler = [f"<|unused_{i}|>" for i in range(tokenizer.get_vocab_size(), min(SPECIAL_TOKENS.values()))]

@@ -121,7 +121,8 @@ def test_completion_is_transformers_greedy_text(server, chat_model_dir, tokenize
         response = client(base_url).completions.create(**request)
         got, got_finish, usage = response.choices[0].text, response.choices[0].finish_reason, response.usage
     else:
-        chunks = list(client(base_url).completions.create(**request, stream=True, stream_options={"include_usage": True}))
+        stream = client(base_url).completions.create(**request, stream=True, stream_options={"include_usage": True})
+        chunks = list(stream)
         got = "".join(chunk.choices[0].text for chunk in chunks if chunk.choices)
         got_finish = [chunk.choices[0].finish_reason for chunk in chunks if chunk.choices][-1]
         usage = chunks[-1].usage
@@ -236,7 +237,7 @@ BAD_COMPLETIONS = [
 ]
 
 
-@pytest.mark.parametrize("body, param", [case[1:] for case in BAD_COMPLETIONS], ids=[case[0] for case in BAD_COMPLETIONS])
+@pytest.mark.parametrize("body, param", [c[1:] for c in BAD_COMPLETIONS], ids=[c[0] for c in BAD_COMPLETIONS])
 def test_bad_input_is_a_400_in_openai_shape_and_the_server_goes_on(server, body, param):
     base_url, _ = server
     if isinstance(body, bytes):
@@ -262,7 +263,7 @@ def test_bad_chat_messages_and_an_unknown_model(server):
     with pytest.raises(openai.BadRequestError, match="messages"):
         client(base_url).chat.completions.create(model=MODEL, messages=[], max_tokens=2)
     with pytest.raises(openai.BadRequestError, match="role"):
-        client(base_url).chat.completions.create(model=MODEL, messages=[{"role": "robot", "content": "hi"}], max_tokens=2)
+        client(base_url).chat.completions.create(model=MODEL, messages=[{"role": "bot", "content": "x"}], max_tokens=2)
     with pytest.raises(openai.NotFoundError) as raised:
         client(base_url).completions.create(model="gpt-5", prompt="x", max_tokens=2)
     assert raised.value.code == "model_not_found"
@@ -313,7 +314,8 @@ def test_a_disconnected_client_frees_its_slot(one_slot_server, chat_model_dir, t
     assert engine_loop.engine.table_manager.available_size == 1 and allocator.num_free_pages > 0
     # The one slot serves the next request, correctly.
     text, _, _ = reference(chat_model_dir, tokenizer, tokenizer.encode("The dog"), 8)
-    assert client(base_url).completions.create(model=MODEL, prompt="The dog", max_tokens=8, temperature=0).choices[0].text == text
+    response = client(base_url).completions.create(model=MODEL, prompt="The dog", max_tokens=8, temperature=0)
+    assert response.choices[0].text == text
 
 
 # ----------------------------------------------------------------------------------------------------- shutdown

@@ -25,6 +25,7 @@ import json
 import os
 import random
 import signal
+import statistics
 import subprocess
 import sys
 import threading
@@ -34,7 +35,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import httpx
-import numpy as np
 from tqdm import tqdm
 
 from a4._overlay import REPO_ROOT
@@ -109,7 +109,7 @@ async def stream_request(client: httpx.AsyncClient, path: str, payload: dict) ->
     return RequestResult(
         ok=True,
         ttft=text_times[0] - start if text_times else None,
-        itl=list(np.diff(text_times)),
+        itl=[later - earlier for earlier, later in zip(text_times, text_times[1:])],
         latency=time.perf_counter() - start,
         prompt_tokens=usage["prompt_tokens"],
         completion_tokens=usage["completion_tokens"],
@@ -215,8 +215,11 @@ def hit_rate(results: list[RequestResult]) -> float:
 
 
 def percentiles(seconds: list[float]) -> dict[str, float | None]:
-    values = np.percentile(seconds, PERCENTILES) * 1e3 if seconds else [None] * len(PERCENTILES)
-    return {f"p{p}": None if v is None else float(v) for p, v in zip(PERCENTILES, values)}
+    """p50 / p90 / p99 in ms, interpolated between the values (as numpy's percentile); None without values."""
+    if len(seconds) < 2:
+        return {f"p{p}": seconds[0] * 1e3 if seconds else None for p in PERCENTILES}
+    cuts = statistics.quantiles(seconds, n=100, method="inclusive")
+    return {f"p{p}": cuts[p - 1] * 1e3 for p in PERCENTILES}
 
 
 # -------------------------------------------------------------------------------------------------------- server
@@ -299,7 +302,7 @@ def plot(report: dict, path: Path) -> None:
                                                                         "end-to-end latency")):  # fmt: skip
         for p in PERCENTILES:
             values = [row[key][f"p{p}"] for row in rows]
-            ax.plot(rates, [np.nan if v is None else v for v in values], marker="o", label=f"p{p}")
+            ax.plot(rates, [float("nan") if v is None else v for v in values], marker="o", label=f"p{p}")
         ax.set(xscale="log", yscale="log", xlabel="request rate (req/s)", ylabel="ms", title=title)
         ax.legend(fontsize=8)
     ax = axes[3]

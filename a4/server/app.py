@@ -14,8 +14,8 @@ refuses is still a plain 400; then it is one JSON body, or with `stream: true` s
 `data: [DONE]`. A client that disconnects, while waiting or while streaming, aborts its request.
 
 Errors are OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`: 400 for a bad body, 404 for an
-unknown model or route, 503 with Retry-After when the engine loop's bound is reached (or it is stopping), 500 if the engine fails a
-request after it started.
+unknown model or route, 503 with Retry-After when the engine loop's bound is reached (or it is stopping), 500 if
+the engine fails a request after it started.
 """
 
 from __future__ import annotations

@@ -103,7 +103,8 @@ class EngineLoop:
     # ------------------------------------------------------------------------------------ called by the handlers
 
     def submit(self, input_ids: list[int], params: SamplingParams) -> RequestStream:
-        """Queue a request (from a coroutine on the server's event loop); Unavailable past the bound or once stopping."""
+        """Queue a request (from a coroutine on the server's event loop); Unavailable past the bound, or once
+        stopping."""
         stream = RequestStream(asyncio.get_running_loop())
         # Under the lock with `stop`: a request queued before it is aborted by the loop's last turn, none after it.
         with self._lock:

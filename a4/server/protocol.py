@@ -1,4 +1,5 @@
-"""The OpenAI API's bodies, as much of them as a4 serves: pydantic models of requests (checked on arrival) and responses.
+"""The OpenAI API's bodies, as much of them as a4 serves: pydantic models of requests (checked on arrival) and
+responses.
 
 Requests are strict: a field of the wrong type (`"max_tokens": "10"`), out of range (`max_tokens` <= 0, a
 non-finite `temperature`) or unknown (a typo such as `max_token`) is refused with a 400 naming it, never coerced
