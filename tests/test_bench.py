@@ -257,6 +257,10 @@ def test_gpu_parts_run_on_the_cpu():
     context = report["decode_vs_context"]
     assert all(len(context[key]) == len(workload.contexts) for key in ("gdn_layer_ms", "attention_layer_ms", "step_ms"))
     assert report["launch_profile"] == []  # profiled on CUDA only
+    throughput = report["throughput"]
+    assert throughput["requests"] == workload.throughput_requests and throughput["output_tokens"] > 0
+    low, high = workload.throughput_lens
+    assert low * workload.throughput_requests <= throughput["output_tokens"] <= high * workload.throughput_requests
     floor = report["floor"]
     assert floor["hbm_bytes_per_s"] > 0 and floor["bf16_flop_per_s"] > 0
     # The tiny model's bytes, independently: every parameter once, in bfloat16 (2 bytes).

@@ -10,7 +10,9 @@ compiled kernels or imported modules:
 - transformers_fla: the same with flash-linear-attention, where it is installed (transformers picks it up by itself);
 - context: one GDN layer, one full-attention layer and the whole model decoding one token, at contexts of 1k to 128k,
   each as the engine's decode step runs it (graph-safe: the GDN state updated by slot, attention through the engine's
-  backend).
+  backend);
+- throughput: offline throughput in nano-vllm's benchmark shape (256 requests queued at once, prompt and output
+  lengths uniform in [100, 1024], seed 0, `ignore_eos`, room for every request), input and output tokens per second.
 
 Each system prefills one 512- and one 2,048-token prompt (median of 5 after a warm-up, one new token) and decodes at
 batch 1, 8, 32, 64 and 128 (prompts of 128 tokens, median of 40 steps; a step is timed as in `bench engine`). The
@@ -57,7 +59,7 @@ DTYPE_NAME = "bfloat16"
 DTYPE = getattr(torch, DTYPE_NAME)
 GRAPHS = {"a4": True, "a4_no_graphs": False}  # the a4 systems and their `cuda_graphs`
 SYSTEMS = (*GRAPHS, "transformers", "transformers_fla")
-PARTS = ("floor", *SYSTEMS, "context")
+PARTS = ("floor", *SYSTEMS, "context", "throughput")
 FLA_DISTRIBUTIONS = ("flash-linear-attention", "fla-core")
 MAX_PREFILL_TOKENS = 8192
 
@@ -74,6 +76,9 @@ class Workload:
     repeats: int  # of the floor's and the context part's timings
     copy_bytes: int
     gemm_size: int  # the floor's GEMM is gemm_size^3
+    # The throughput part: nano-vllm's benchmark shape, prompt and output lengths uniform in throughput_lens.
+    throughput_requests: int = 256
+    throughput_lens: tuple[int, int] = (100, 1024)
 
     @staticmethod
     def full() -> Workload:
@@ -86,7 +91,7 @@ class Workload:
     def quick() -> Workload:
         return Workload(
             "tiny", (32, 128), (1, 8), prompt_len=16, decode_steps=4, prefill_repeats=2, contexts=(256, 1024),
-            repeats=3, copy_bytes=16 << 20, gemm_size=256,
+            repeats=3, copy_bytes=16 << 20, gemm_size=256, throughput_requests=8, throughput_lens=(8, 32),
         )  # fmt: skip
 
     @property
@@ -104,6 +109,8 @@ def run_part(part: str, model_dir: Path, workload: Workload, device: torch.devic
         return measure_floor(model_dir, workload, device)
     if part == "context":
         return measure_context(model_dir, workload, device)
+    if part == "throughput":
+        return measure_throughput(model_dir, workload, device)
     if part in SYSTEMS:
         return measure_system(part, model_dir, workload, device)
     raise ValueError(f"unknown part {part!r} (expected one of {', '.join(PARTS)})")
@@ -150,6 +157,45 @@ def measure_system(name: str, model_dir: Path, workload: Workload, device: torch
     if name in GRAPHS and device.type == "cuda":
         result["launch_profile"] = launch_profile(runner.llm.engine, decode_prompts[0], result["decode_ms"]["1"])
     return result
+
+
+@torch.inference_mode()
+def measure_throughput(model_dir: Path, workload: Workload, device: torch.device) -> dict:
+    """Offline throughput as nano-vllm's benchmark measures it: every request queued at once (`ignore_eos`, lengths
+    drawn with seed 0), the engine with CUDA graphs and room for all of them, timed from the first to the last token."""
+    import random
+    import time
+
+    from a4 import LLM, SamplingParams
+    from a4.bench.engine import random_prompts
+    from a4.models.config import load_model_config
+
+    draw = random.Random(0)
+    n, (low, high) = workload.throughput_requests, workload.throughput_lens
+    input_lens = [draw.randint(low, high) for _ in range(n)]
+    output_lens = [draw.randint(low, high) for _ in range(n)]
+    config = load_model_config(model_dir)
+    prompts = random_prompts(input_lens, config.vocab_size, config.eos_token_ids, seed=0)
+    llm = LLM(
+        model_dir, dtype=DTYPE_NAME, device=device, max_running_requests=n, max_prefill_tokens=MAX_PREFILL_TOKENS,
+        enable_prefix_cache=False, cuda_graphs=True,
+    )  # fmt: skip
+    llm.generate(prompts[:2], SamplingParams(max_new_tokens=4, ignore_eos=True))  # warm-up
+    params = [SamplingParams(max_new_tokens=m, ignore_eos=True) for m in output_lens]
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    seconds = time.perf_counter() - start
+    output_tokens = sum(len(output.token_ids) for output in outputs)
+    return {
+        "requests": n,
+        "input_tokens": sum(input_lens),
+        "output_tokens": output_tokens,
+        "seconds": seconds,
+        "input_tok_per_s": sum(input_lens) / seconds,
+        "output_tok_per_s": output_tokens / seconds,
+    }
 
 
 def make_runner(name: str, model_dir: Path, workload: Workload, device: torch.device):
@@ -388,6 +434,8 @@ def assemble(parts: dict[str, dict], workload: Workload, meta: dict) -> dict:
             if name in parts
         },
     }
+    if "throughput" in parts:
+        report["throughput"] = parts["throughput"]
     if "context" in parts:
         report["decode_vs_context"] = {"context": list(workload.contexts), "batch": 1, **parts["context"]}
     report["launch_profile"] = [
@@ -461,6 +509,13 @@ def print_table(report: dict) -> None:
                 f"{context:>8}{part['gdn_layer_ms'][i]:>12.3f}{part['attention_layer_ms'][i]:>18.3f}"
                 f"{part['step_ms'][i]:>12.3f}"
             )
+    if "throughput" in report:
+        part = report["throughput"]
+        print(
+            f"\noffline throughput, {part['requests']} requests ({part['input_tokens']:,} prompt and "
+            f"{part['output_tokens']:,} output tokens) in {part['seconds']:.1f} s: {part['input_tok_per_s']:,.0f} input "
+            f"and {part['output_tok_per_s']:,.0f} output tok/s"
+        )
     for row in report["launch_profile"]:
         print(
             f"\n{row['system']}, one decode step at batch {row['batch']}: {row['kernels']} GPU kernels running "

@@ -38,6 +38,9 @@ class EngineConfig:
     # Decode steps as CUDA graphs (graph_runner.py). None: on where CUDA is. False on CUDA: the same static-buffer
     # runner, not captured. True on the CPU: that runner too (nothing to capture), the GPU's decode path run eagerly.
     cuda_graphs: bool | None = None
+    # The projections that read one input (GDN's four, attention's q / k / v, the MLP's gate and up) as one GEMM each
+    # (a4/layers/merged_linear.py); the layers' forward is unchanged. None: on where a4's Triton kernels run (CUDA).
+    merge_projections: bool | None = None
     # Speculative decoding (a4/speculative, notebook 11): drafts per decode step, verified in one forward; 0: off.
     # Qwen3.5 drafts with its checkpoint's MTP module unless the Engine is given another drafter. Greedy only.
     speculative_tokens: int = 0
@@ -79,8 +82,10 @@ class EngineConfig:
                 "state_fraction cannot be combined with speculative_tokens: notebook 06's plan_hybrid_memory does not "
                 "count the verify states and the draft's KV; leave state_fraction=None (slots first)"
             )
-        if not (self.cuda_graphs is None or isinstance(self.cuda_graphs, bool)):
-            raise ValueError(f"cuda_graphs must be True, False or None, got {self.cuda_graphs!r}")
+        for name in ("cuda_graphs", "merge_projections"):
+            value = getattr(self, name)
+            if not (value is None or isinstance(value, bool)):
+                raise ValueError(f"{name} must be True, False or None, got {value!r}")
 
     @property
     def torch_dtype(self) -> torch.dtype:

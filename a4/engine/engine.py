@@ -49,7 +49,11 @@ class Engine:
         checkpoint's MTP module (Qwen3.5)."""
         self.config = config
         self.model_config, model, self.load_report = load_model(
-            config.model_dir, dtype=config.torch_dtype, device=config.torch_device, progress=progress
+            config.model_dir,
+            dtype=config.torch_dtype,
+            device=config.torch_device,
+            progress=progress,
+            merge_projections=config.merge_projections,
         )
         mtp = None
         if config.speculative_tokens and drafter is None:

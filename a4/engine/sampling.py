@@ -43,8 +43,8 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, reqs: list[Req]) -> list[Sample]:
         """One token (or an error) per row of logits [len(reqs), vocab] (float32)."""
-        tokens = logits.argmax(dim=-1).tolist()
-        finite = torch.isfinite(logits).all(dim=-1).tolist()
+        # One device-to-host copy for both: each copy waits for the GPU.
+        tokens, finite = torch.stack((logits.argmax(dim=-1), torch.isfinite(logits).all(dim=-1).long())).tolist()
         samples = []
         for i, req in enumerate(reqs):
             params = req.sampling_params

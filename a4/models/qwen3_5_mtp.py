@@ -32,12 +32,11 @@ import torch
 from torch import nn
 
 from a4.core import ForwardBatch
-from a4.kernels import triton_kernels_run_on
 from a4.layers.gated_attention import ZeroCenteredRMSNorm
 from a4.layers.rope import RotaryEmbedding
 from a4.models.config import FULL_ATTENTION, ModelConfig
 from a4.models.qwen3_5 import Qwen3_5DecoderLayer, Qwen3_5ForConditionalGeneration
-from a4.models.registry import default_dtype
+from a4.models.registry import default_dtype, fuse_for_device
 from a4.models.weights import LoadReport, load_weights
 
 MTP_PREFIX = "mtp."
@@ -98,6 +97,7 @@ def load_mtp(
     dtype: torch.dtype,
     device: torch.device | str,
     progress: bool = False,
+    merge_projections: bool | None = None,
 ) -> tuple[Qwen3_5MTP, LoadReport]:
     """The MTP module of the checkpoint in model_dir, on `device` in `dtype`, sharing `main`'s embedding and lm_head.
 
@@ -109,8 +109,5 @@ def load_mtp(
         mtp = Qwen3_5MTP(main.config, main)
     report = load_weights(mtp, model_dir, key_map=mtp_key_map, device=device, dtype=dtype, progress=progress)
     mtp.eval().requires_grad_(False)
-    if triton_kernels_run_on(torch.device(device)):
-        from a4.kernels.rmsnorm import use_fused_norms
-
-        use_fused_norms(mtp)
+    fuse_for_device(mtp, torch.device(device), merge_projections)
     return mtp, report

@@ -63,12 +63,18 @@ def default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 
 def load_model(
-    model_dir: str | Path, *, dtype: torch.dtype | str, device: torch.device | str, progress: bool = True
+    model_dir: str | Path,
+    *,
+    dtype: torch.dtype | str,
+    device: torch.device | str,
+    progress: bool = True,
+    merge_projections: bool | None = None,
 ) -> tuple[ModelConfig, nn.Module, LoadReport]:
     """Read config.json, build the registered model class on `device` in `dtype`, load its weights.
 
     A model class may define `checkpoint_key_map(key) -> str | None` (a staticmethod) to rename or skip checkpoint
-    keys; without one, the keys are its parameter names. The model comes back in eval mode, without gradients.
+    keys; without one, the keys are its parameter names. The model comes back in eval mode, without gradients, and
+    with the fusions of `fuse_for_device`.
     """
     device = usable_device(device)
     dtype = resolve_dtype(dtype)
@@ -80,9 +86,21 @@ def load_model(
     key_map: Callable[[str], str | None] = getattr(cls, "checkpoint_key_map", identity)
     report = load_weights(model, model_dir, key_map=key_map, device=device, dtype=dtype, progress=progress)
     model.eval().requires_grad_(False)
+    fuse_for_device(model, device, merge_projections)
+    return config, model, report
+
+
+def fuse_for_device(model: nn.Module, device: torch.device, merge_projections: bool | None = None) -> None:
+    """Where a4's Triton kernels run, every norm in one launch instead of ~10 (a4/kernels/rmsnorm.py): a decode
+    step's launches are its cost. `merge_projections`: the projections that read one input as one GEMM
+    (a4/layers/merged_linear.py); None: where the Triton kernels run. Neither changes a module's forward."""
+    if merge_projections is None:
+        merge_projections = triton_kernels_run_on(device)
+    if merge_projections:
+        from a4.layers.merged_linear import merge_projections as merge
+
+        merge(model)
     if triton_kernels_run_on(device):
-        # Each norm in one launch instead of ~10 (a4/kernels/rmsnorm.py): a decode step's launches are its cost.
         from a4.kernels.rmsnorm import use_fused_norms
 
         use_fused_norms(model)
-    return config, model, report

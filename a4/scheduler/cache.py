@@ -101,15 +101,19 @@ class CacheManager:
         already have their locations. Unlocked cache entries are evicted when the free list runs short. A request
         that already has locations for those positions (a step that raised before it was booked) gets no more.
         """
-        for req, extend_len in zip(reqs, extend_lens):
-            end = req.computed_len + extend_len
-            first_page = pages_for(req.kv_allocated_len, self.page_size)
-            last_page = pages_for(end, self.page_size)
+        page_size = self.page_size
+        ends = [req.computed_len + extend_len for req, extend_len in zip(reqs, extend_lens)]
+        # (slot, first position, positions) of each request whose step reaches into pages it does not have yet.
+        writes = []
+        for req, end in zip(reqs, ends):
+            first_page, last_page = pages_for(req.kv_allocated_len, page_size), pages_for(end, page_size)
             if last_page > first_page:
-                pages = self._allocate_pages(last_page - first_page)
-                self.table_manager.write(
-                    req.slot, first_page * self.page_size, self.allocator.pages_to_locations(pages)
-                )
+                writes.append((req.slot, first_page * page_size, (last_page - first_page) * page_size))
+        if writes:
+            # One allocation and one table write for the whole batch, pages handed out in request order.
+            pages = self._allocate_pages(sum(count for *_, count in writes) // page_size)
+            self.table_manager.write_many(writes, self.allocator.pages_to_locations(pages))
+        for req, end in zip(reqs, ends):
             req.kv_allocated_len = max(req.kv_allocated_len, end)
 
     def cache_req(self, req: Req) -> None:

@@ -53,6 +53,15 @@ class TableManager:
         """Record that positions start .. start + len(locations) - 1 of the request live at `locations`."""
         self.req_to_token[slot, start : start + len(locations)] = locations.to(self.req_to_token.device)
 
+    def write_many(self, writes: list[tuple[int, int, int]], locations: torch.Tensor) -> None:
+        """Several `write`s as one indexed copy to the device: write (slot, start, count) records the next `count`
+        of `locations` at positions start .. start + count - 1 of that slot. A decode step gives every request of
+        its batch a location this way: one copy per request was most of an H200's step at batch 32."""
+        rows = [slot for slot, _, count in writes for _ in range(count)]
+        positions = [start + i for _, start, count in writes for i in range(count)]
+        packed = torch.stack((torch.tensor(rows), torch.tensor(positions), locations)).to(self.req_to_token.device)
+        self.req_to_token[packed[0], packed[1]] = packed[2]
+
     def read(self, slot: int, start: int, end: int) -> torch.Tensor:
         """Host copy of the locations of positions start .. end - 1."""
         return self.req_to_token[slot, start:end].cpu()

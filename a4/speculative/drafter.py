@@ -142,4 +142,10 @@ def load_mtp_module(config, model_config, model: torch.nn.Module) -> torch.nn.Mo
     # Imported here: serving Qwen3 must not depend on Qwen3.5's modules.
     from a4.models.qwen3_5_mtp import load_mtp
 
-    return load_mtp(model, config.model_dir, dtype=config.torch_dtype, device=config.torch_device)[0]
+    return load_mtp(
+        model,
+        config.model_dir,
+        dtype=config.torch_dtype,
+        device=config.torch_device,
+        merge_projections=config.merge_projections,
+    )[0]
