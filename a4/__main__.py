@@ -141,6 +141,7 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--hybrid-prefix-policy", choices=HYBRID_PREFIX_POLICIES, **flag)
     engine.add_argument("--max-state-checkpoints", type=non_negative_int, **flag)
     engine.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, **flag)
+    engine.add_argument("--merge-projections", action=argparse.BooleanOptionalAction, **flag)
     engine.add_argument("--speculative-tokens", type=non_negative_int, **flag)
 
 
