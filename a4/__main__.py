@@ -1,4 +1,4 @@
-"""The command line: `python -m a4 demo | generate | bench`.
+"""The command line: `python -m a4 demo | generate | serve | bench`.
 
 - `demo`: a batch of requests with shared prefixes through the engine (chunked prefill and the prefix cache at work),
   each request's tokens beside transformers' greedy tokens; exits non-zero if any request differs. Tiny Qwen3.5 by
@@ -6,6 +6,8 @@
   the default shows what already works (Qwen3) and names that exercise.
 - `generate`: continue prompts given as token ids (`--prompt "1 2 3"`) or as text (`--text`, when the checkpoint
   directory has a tokenizer).
+- `serve`: an OpenAI-compatible HTTP server (a4/server) over the engine, whose options are its flags; by default
+  the trained tiny Qwen3.5 and its tokenizer.
 - `bench <name>`: run a benchmark module of `a4.bench` (all of them without a name; those that cannot run on this
   machine, as `bench gpu` without CUDA, are skipped, and fail only when named).
 
@@ -24,10 +26,13 @@ from pathlib import Path
 from a4.core import Output, SamplingParams
 from a4.course.exercises import not_written_yet, stubs, unwritten_exercise
 from a4.dtypes import DTYPES
+from a4.engine.config import HYBRID_PREFIX_POLICIES
 
 ARCHS = ("qwen3", "qwen3_5", "qwen3_5_moe")
 DEFAULT_ARCH = "qwen3_5"
 DEFAULT_BENCH_OUT = Path("bench-out")
+# Options of one benchmark only: the option's name -> the benchmark that takes it.
+BENCH_OPTIONS = {"system": "gpu", "model_dir": "serve", "device": "serve", "base_url": "serve"}
 USAGE_ERROR = 2
 
 
@@ -48,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m a4", description="a4: a small SGLang-style inference engine")
-    commands = parser.add_subparsers(dest="command", required=True, metavar="{demo,generate,bench}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{demo,generate,serve,bench}")
 
     demo = commands.add_parser("demo", help="engine vs transformers on a batch with shared prefixes")
     demo.add_argument(
@@ -77,6 +82,21 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--seed", type=int)
     generate.set_defaults(run=run_generate)
 
+    serve = commands.add_parser("serve", help="an OpenAI-compatible HTTP server (FastAPI + uvicorn)")
+    serve.add_argument(
+        "--model-dir", type=Path, help="a checkpoint with a tokenizer (default: the trained tiny Qwen3.5)"
+    )
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000, help="0: any free port (uvicorn's log line names it)")
+    serve.add_argument("--served-model-name", help="the model's name in the API (default: the directory's name)")
+    serve.add_argument(
+        "--max-queued-requests", type=non_negative_int, default=argparse.SUPPRESS,
+        help="requests that may wait beyond the running ones; past them the server answers 503 (default: "
+        "DEFAULT_MAX_QUEUED_REQUESTS in a4/server/launch.py)",
+    )
+    add_engine_options(serve)
+    serve.set_defaults(run=run_serve)
+
     bench = commands.add_parser("bench", help="run a benchmark of a4.bench (all of them without a name)")
     bench.add_argument("name", nargs="?", help=f"one of: {', '.join(benchmark_names()) or '(none yet)'}")
     bench.add_argument("--quick", action="store_true", help="a smaller run")
@@ -84,6 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--out", type=Path, help=f"output directory (default: {DEFAULT_BENCH_OUT}; bench gpu: solutions/report)"
     )
     bench.add_argument("--system", help="bench gpu only: measure this one part in this process (as it runs each)")
+    bench.add_argument("--model-dir", type=Path, help="bench serve only: the checkpoint to serve (with a tokenizer)")
+    bench.add_argument("--device", help="bench serve only: the server's device (cpu, cuda)")
+    bench.add_argument("--base-url", help="bench serve only: a running server to measure instead of starting one")
     bench.set_defaults(run=run_bench)
     return parser
 
@@ -93,6 +116,33 @@ def positive_int(text: str) -> int:
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
     return value
+
+
+def non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be a non-negative integer, got {value}")
+    return value
+
+
+def add_engine_options(parser: argparse.ArgumentParser) -> None:
+    """EngineConfig's fields as flags. An option not given is not passed on, so EngineConfig's defaults apply (and
+    EngineConfig checks the values given)."""
+    engine = parser.add_argument_group("engine options (EngineConfig's fields)")
+    flag = {"default": argparse.SUPPRESS}
+    engine.add_argument("--dtype", choices=DTYPES, **flag)
+    engine.add_argument("--device", **flag)
+    engine.add_argument("--max-running-requests", type=positive_int, **flag)
+    engine.add_argument("--max-prefill-tokens", type=positive_int, **flag)
+    engine.add_argument("--page-size", type=positive_int, **flag)
+    engine.add_argument("--enable-prefix-cache", action=argparse.BooleanOptionalAction, **flag)
+    engine.add_argument("--memory-budget-bytes", type=positive_int, **flag)
+    engine.add_argument("--state-fraction", type=float, **flag)
+    engine.add_argument("--hybrid-prefix-policy", choices=HYBRID_PREFIX_POLICIES, **flag)
+    engine.add_argument("--max-state-checkpoints", type=non_negative_int, **flag)
+    engine.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, **flag)
+    engine.add_argument("--merge-projections", action=argparse.BooleanOptionalAction, **flag)
+    engine.add_argument("--speculative-tokens", type=non_negative_int, **flag)
 
 
 def token_ids(text: str) -> list[int]:
@@ -255,19 +305,36 @@ def run_generate(args: argparse.Namespace) -> int:
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
-def load_tokenizer(model_dir: Path):
+def load_tokenizer(model_dir: Path, needed_by: str = "--text", alternative: str = "use --prompt"):
     from transformers import AutoTokenizer
 
     # Checked first: without any tokenizer file, transformers 5 quietly builds an empty tokenizer from the model
     # type, which would turn every text into an empty prompt.
     if not any((model_dir / name).exists() for name in TOKENIZER_FILES):
         raise UsageError(
-            f"--text needs a tokenizer, and {model_dir} has none ({', '.join(TOKENIZER_FILES)}); use --prompt"
+            f"{needed_by} needs a tokenizer, and {model_dir} has none ({', '.join(TOKENIZER_FILES)}); {alternative}"
         )
     try:
         return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     except (OSError, ValueError) as e:
-        raise UsageError(f"--text needs a tokenizer, and the one in {model_dir} does not load ({e})") from None
+        raise UsageError(f"{needed_by} needs a tokenizer, and the one in {model_dir} does not load ({e})") from None
+
+
+# ------------------------------------------------------------------------------------------------------------- serve
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from a4.llm import OPTIONS
+    from a4.server.launch import build_app, default_model_dir, run_server
+
+    model_dir = model_dir_or_fail(args.model_dir) if args.model_dir is not None else default_model_dir()
+    tokenizer = load_tokenizer(model_dir, "serve", "give --model-dir a checkpoint with its tokenizer files")
+    # The flags given, and only those: the defaults are build_app's and EngineConfig's.
+    options = {name: getattr(args, name) for name in (*OPTIONS, "max_queued_requests") if hasattr(args, name)}
+    app = build_app(model_dir, tokenizer, served_model_name=args.served_model_name, **options)
+    print(f"serving {model_dir} (uvicorn names the address below; Ctrl-C stops it)", flush=True)
+    run_server(app, args.host, args.port)
+    return 0
 
 
 # ------------------------------------------------------------------------------------------------------------- bench
@@ -285,8 +352,10 @@ def run_bench(args: argparse.Namespace) -> int:
     available = benchmark_names()
     if args.name is not None and args.name not in available:
         raise UsageError(f"unknown benchmark {args.name!r} (available: {', '.join(available) or 'none yet'})")
-    if args.system is not None and args.name != "gpu":
-        raise UsageError("--system is an option of bench gpu only")
+    options = {option: getattr(args, option) for option in BENCH_OPTIONS if getattr(args, option) is not None}
+    for option in options:
+        if args.name != BENCH_OPTIONS[option]:
+            raise UsageError(f"--{option.replace('_', '-')} is an option of bench {BENCH_OPTIONS[option]} only")
     names = [args.name] if args.name else available
     if not names:
         print("no benchmarks in a4/bench yet")
@@ -297,7 +366,6 @@ def run_bench(args: argparse.Namespace) -> int:
         print(f"== bench {name}", flush=True)
         module = importlib.import_module(f"a4.bench.{name.replace('-', '_')}")
         out_dir = args.out or getattr(module, "DEFAULT_OUT_DIR", DEFAULT_BENCH_OUT)
-        options = {} if args.system is None else {"system": args.system}
         try:
             module.main(quick=args.quick, out_dir=out_dir, **options)
         except NotImplementedError as e:

@@ -18,7 +18,7 @@ import a4.__main__ as cli
 import a4.layers.gdn_backend as gdn_backend
 from a4 import LLM, SamplingParams
 from a4._overlay import REPO_ROOT
-from a4.bench import decode_context, engine, gpu, prefill, spec
+from a4.bench import decode_context, engine, gpu, prefill, serve, spec
 from a4.checkpoints import make_checkpoint
 from a4.course.checks.memory import figures
 from a4.reference import hf_greedy
@@ -333,3 +333,40 @@ assert not gpu.kernel_package_imported("fla")
     assert done.returncode == 0, done.stderr
     imported = "import fla\nfrom a4.bench import gpu\nassert gpu.kernel_package_imported('fla')"
     assert subprocess.run([sys.executable, "-c", imported], env=env).returncode == 0
+
+
+def test_serve_measures_every_rate_and_the_multi_turn_chat(chat_model_dir, tmp_path):
+    serve.main(quick=True, out_dir=tmp_path, model_dir=chat_model_dir)
+    report = read_outputs(tmp_path, "serve")
+    workload = serve.Workload.quick()
+    assert [row["rate"] for row in report["rates"]] == list(workload.rates)
+    for row in [*report["rates"], report["multi_turn"]]:
+        assert row["completed"] > 0 and row["failed"] == 0, row["errors"]
+        for key in ("ttft_ms", "itl_ms", "e2e_ms"):
+            assert list(row[key]) == [f"p{p}" for p in serve.PERCENTILES]
+        assert row["request_throughput"] > 0 and row["output_token_throughput"] > 0
+    # Every request generated max_tokens (ignore_eos), and only the chat's later turns find a cached prefix.
+    assert report["rates"][0]["output_token_throughput"] * report["rates"][0]["duration_s"] == pytest.approx(
+        report["rates"][0]["completed"] * workload.max_tokens
+    )
+    first_turn, *later_turns = report["multi_turn"]["cache_hit_rate_by_turn"]
+    assert all(rate > 0 for rate in later_turns)
+
+
+def test_serve_summary_arithmetic():
+    results = [
+        serve.RequestResult(True, ttft=0.1, itl=[0.01, 0.03], latency=0.2, prompt_tokens=10, completion_tokens=3),
+        serve.RequestResult(True, ttft=0.3, itl=[0.02], latency=0.4, prompt_tokens=30, completion_tokens=2,
+                            cached_tokens=20),
+        serve.RequestResult(False, "HTTP 503"),
+    ]  # fmt: skip
+    summary = serve.summarize(results, duration=2.0)
+    assert (summary["completed"], summary["failed"], summary["errors"]) == (2, 1, ["HTTP 503"])
+    assert summary["request_throughput"] == 1.0 and summary["output_token_throughput"] == 2.5
+    assert summary["total_token_throughput"] == 22.5 and summary["cache_hit_rate"] == 0.5
+    assert summary["ttft_ms"]["p50"] == pytest.approx(200) and summary["itl_ms"]["p50"] == pytest.approx(20)
+
+
+def test_serve_options_belong_to_bench_serve(capsys):
+    assert cli.main(["bench", "engine", "--base-url", "http://127.0.0.1:1"]) == cli.USAGE_ERROR
+    assert "--base-url is an option of bench serve only" in capsys.readouterr().err

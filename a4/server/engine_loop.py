@@ -1,0 +1,186 @@
+"""EngineLoop: the one thread that owns the Engine and steps it; the HTTP handlers reach it through a queue.
+
+An Engine serves one thread (`Engine.serving`), so every call into it is made here. Handlers `submit` requests and
+`abort` them by putting commands in the inbox; between two steps the thread takes them all in, so a request that
+arrives while others decode joins their next steps (continuous batching). After each step every request's new
+tokens go back to its handler through its `RequestStream`, an asyncio queue on the server's event loop fed with
+`call_soon_threadsafe`. An abort (the client went away, a stop string was found) frees the request's slot, pages,
+prefix-cache locks and state at the next turn of the loop, within one step.
+
+The inbox is bounded by what it admits, not by its length: past `max_running_requests + max_queued_requests`
+unfinished requests, `submit` raises Unavailable (the server answers 503) and the engine keeps serving the others;
+so it does once `stop` has begun. Stopping aborts every request left, so that no handler waits for ever.
+The roles are those of SGLang's scheduler process (here a thread) and its TokenizerManager's per-request state; text
+is the handlers' business.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from dataclasses import dataclass
+
+from a4.core import FinishReason, Req, SamplingParams
+from a4.engine.engine import Engine
+from a4.server.metrics import ServerMetrics
+
+logger = logging.getLogger(__name__)
+
+
+class Unavailable(Exception):
+    """The loop takes no more requests now (too many unfinished, or it is stopping): the client should retry later."""
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """What a request gained in one step: its new tokens, and once it has finished, why (the engine's reason)."""
+
+    token_ids: list[int]
+    cached_tokens: int  # prompt tokens served by the prefix cache
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+
+
+class RequestStream:
+    """One request's outputs, from the engine thread to the handler awaiting them on the event loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
+
+    def put(self, output: RequestOutput) -> None:
+        """Called from the engine thread."""
+        try:
+            self._loop.call_soon_threadsafe(self._outputs.put_nowait, output)
+        except RuntimeError:
+            pass  # the event loop is closed: the server is gone, and so is whoever awaited this request
+
+    async def __aiter__(self):
+        while True:
+            output = await self._outputs.get()
+            yield output
+            if output.finish_reason is not None:
+                return
+
+
+@dataclass
+class _Running:
+    req: Req
+    num_sent: int = 0  # output tokens already put on the stream
+
+
+class EngineLoop:
+    def __init__(self, engine: Engine, metrics: ServerMetrics, max_queued_requests: int) -> None:
+        self.engine = engine
+        self.metrics = metrics
+        self.capacity = engine.memory_plan.max_running_requests + max_queued_requests
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()  # guards _num_unfinished, which handlers read and the loop decrements
+        self._num_unfinished = 0
+        self._running: dict[RequestStream, _Running] = {}  # the loop thread's own
+        self._stopping = threading.Event()
+        # A daemon, so that a step that never returns cannot keep the process alive; `stop` joins it normally.
+        self._thread = threading.Thread(target=self._run, name="a4-engine-loop", daemon=True)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Abort every unfinished request (their handlers see finish_reason "abort") and end the thread."""
+        with self._lock:
+            self._stopping.set()
+        self._inbox.put(None)  # wakes the loop if it waits for work
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            logger.error("the engine loop did not stop within %.0f s (a step still running)", timeout)
+
+    # ------------------------------------------------------------------------------------ called by the handlers
+
+    def submit(self, input_ids: list[int], params: SamplingParams) -> RequestStream:
+        """Queue a request (from a coroutine on the server's event loop); Unavailable past the bound, or once
+        stopping."""
+        stream = RequestStream(asyncio.get_running_loop())
+        # Under the lock with `stop`: a request queued before it is aborted by the loop's last turn, none after it.
+        with self._lock:
+            if self._stopping.is_set():
+                raise Unavailable("the server is shutting down")
+            if self._num_unfinished >= self.capacity:
+                raise Unavailable(
+                    f"the server holds {self._num_unfinished} unfinished requests, its limit "
+                    f"(max_running_requests + max_queued_requests = {self.capacity}): retry later"
+                )
+            self._num_unfinished += 1
+            self._inbox.put(("add", stream, input_ids, params))
+        return stream
+
+    def abort(self, stream: RequestStream) -> None:
+        """Stop the request of `stream` (a finished one is left alone); nothing more is put on its stream."""
+        self._inbox.put(("abort", stream))
+
+    # -------------------------------------------------------------------------------------------- the loop thread
+
+    def _run(self) -> None:
+        while not self._stopping.is_set():
+            self._take_inbox(wait=not self._running)
+            if self._running and not self._stopping.is_set():
+                try:
+                    self.engine.step()
+                except Exception:
+                    # The engine has aborted the step's requests (their streams get the error below) and is clean
+                    # for the others.
+                    logger.exception("an engine step raised")
+                self._publish()
+            self._update_metrics()
+        self._take_inbox(wait=False)
+        for running in self._running.values():
+            self.engine.abort_req(running.req, "the server is shutting down")
+        self._publish()
+
+    def _take_inbox(self, wait: bool) -> None:
+        """Apply every queued command; with `wait`, first wait for one (an idle engine has nothing else to do)."""
+        try:
+            command = self._inbox.get() if wait else self._inbox.get_nowait()
+            while True:
+                if command is not None:
+                    self._apply(*command)
+                command = self._inbox.get_nowait()
+        except queue.Empty:
+            pass
+
+    def _apply(self, kind: str, stream: RequestStream, *args) -> None:
+        if kind == "add":
+            req = self.engine.add_request(*args)
+            self._running[stream] = _Running(req)
+            if req.finished:  # refused at once (its error says why)
+                self._publish()
+        elif (running := self._running.pop(stream, None)) is not None:
+            self.engine.abort_req(running.req, "aborted by the server (client gone or stop string)")
+            self._finished(running.req)
+
+    def _publish(self) -> None:
+        """Put each request's new tokens on its stream; the finished ones leave the loop."""
+        for stream, running in list(self._running.items()):
+            req = running.req
+            new_tokens = req.output_ids[running.num_sent :]
+            if new_tokens or req.finished:
+                running.num_sent = len(req.output_ids)
+                finish_reason = req.finish_reason if req.finished else None
+                stream.put(RequestOutput(new_tokens, req.prefix_hit_len, finish_reason, req.error))
+            if req.finished:
+                del self._running[stream]
+                self._finished(req)
+
+    def _update_metrics(self) -> None:
+        num_running = sum(running.req.admitted for running in self._running.values())
+        self.metrics.engine_updated(self.engine, num_running, len(self._running) - num_running)
+
+    def _finished(self, req: Req) -> None:
+        with self._lock:
+            self._num_unfinished -= 1
+        self.metrics.request_finished(req)

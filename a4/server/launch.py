@@ -1,0 +1,79 @@
+"""Putting the server together: the engine of a checkpoint, its loop, its metrics and the app; uvicorn runs it.
+
+uvicorn handles SIGINT and SIGTERM: it stops accepting connections, waits for the open ones to finish, then runs the
+app's lifespan shutdown. `Server` stops the engine loop first, which aborts every request in flight, so that their
+responses end at once (a stream with an error event and `[DONE]`) instead of running on; a connection still open after
+SHUTDOWN_GRACE_SECONDS is cancelled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import signal
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI
+
+from a4.engine.engine import Engine, EngineConfig
+from a4.server.app import create_app
+from a4.server.engine_loop import EngineLoop
+from a4.server.metrics import ServerMetrics
+
+DEFAULT_MAX_QUEUED_REQUESTS = 128
+SHUTDOWN_GRACE_SECONDS = 5
+
+
+class NoDefaultModel(ValueError):
+    """The default model (the trained tiny Qwen3.5) is not there: a model directory must be given."""
+
+
+def default_model_dir() -> Path:
+    """The trained tiny Qwen3.5, which has a tokenizer and a chat template (the random tiny checkpoints have none)."""
+    from a4.checkpoints import tiny_checkpoint
+
+    if "trained" not in inspect.signature(tiny_checkpoint).parameters:
+        raise NoDefaultModel(
+            "this a4 has no trained tiny Qwen3.5 yet (tiny_checkpoint('qwen3_5', trained=True)), the default model: "
+            "give --model-dir DIR, a checkpoint directory with its tokenizer"
+        )
+    return tiny_checkpoint("qwen3_5", trained=True)
+
+
+def build_app(
+    model_dir: str | Path,
+    tokenizer,
+    *,
+    served_model_name: str | None = None,
+    max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS,
+    **engine_options: Any,
+) -> FastAPI:
+    """The app serving the checkpoint in model_dir; `engine_options`: EngineConfig's fields. The model's name in the
+    API is `served_model_name`, by default the directory's name."""
+    if isinstance(max_queued_requests, bool) or not isinstance(max_queued_requests, int) or max_queued_requests < 0:
+        raise ValueError(f"max_queued_requests must be a non-negative integer, got {max_queued_requests!r}")
+    engine = Engine(EngineConfig(model_dir, **engine_options))
+    engine_loop = EngineLoop(engine, ServerMetrics(engine), max_queued_requests)
+    return create_app(engine_loop, tokenizer, served_model_name or Path(model_dir).name)
+
+
+class Server(uvicorn.Server):
+    """uvicorn's server, which ends the app's requests in flight as it begins to shut down."""
+
+    async def shutdown(self, sockets=None) -> None:
+        await asyncio.to_thread(self.config.app.state.engine_loop.stop)
+        await super().shutdown(sockets)
+
+
+def run_server(app: FastAPI, host: str, port: int) -> None:
+    """Serve until SIGINT or SIGTERM, then return (port 0: a free port, which uvicorn's "running on" line names).
+
+    Once shut down, uvicorn raises the signal it caught again, for the handler that was there before it: SIGTERM is
+    given Python's SIGINT handler, so that both end here as a KeyboardInterrupt and the process exits normally."""
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        Server(uvicorn.Config(app, host=host, port=port, timeout_graceful_shutdown=SHUTDOWN_GRACE_SECONDS)).run()
+    except KeyboardInterrupt:
+        pass
