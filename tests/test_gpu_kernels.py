@@ -8,6 +8,8 @@
 - the three captured in one CUDA graph and replayed with other slots and lengths in the same buffers;
 - the fused norms (`rmsnorm`): the zero-centred and the gated RMSNorm against the torch modules they replace, on
   contiguous rows and on strided heads;
+- the small-batch linear layer (`gemv`): 1 to 4 rows of 0.8B-shaped and odd-sized projections against a float64 matmul,
+  strided rows, and `use_gemv`'s routing (more rows, or lm_head's width, stay with F.linear);
 - the fla prefill (where flash-linear-attention is importable): varlen batch, nonzero initial states from the pool,
   final states written back, against the token-by-token recurrence.
 
@@ -64,6 +66,7 @@ from a4.kernels.fla_prefill import (  # noqa: E402 - only where the kernels can 
 )
 from a4.kernels.gdn_decode import conv_update_by_slot_, gated_delta_rule_update_by_slot_  # noqa: E402
 from a4.kernels.paged_attention import paged_decode_attention  # noqa: E402
+from a4.kernels.gemv import MAX_ROWS, gemv, linear, use_gemv  # noqa: E402
 from a4.kernels.rmsnorm import use_fused_norms  # noqa: E402
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -481,3 +484,32 @@ def test_fused_norms_match_the_modules_they_replace(dim, dtype):
         gate = rand(5, dim)
         torch.testing.assert_close(fused_norm(rows, gate), torch_norm(rows, gate), **allowed)
         assert fused_norm(rows[:0], gate[:0]).shape == (0, dim)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("rows", range(1, MAX_ROWS + 1))
+@pytest.mark.parametrize("out_features, in_features", [(1024, 3584), (8224, 1024), (37, 100)])
+def test_gemv_matches_a_float64_matmul(rows, out_features, in_features, dtype):
+    generator = torch.Generator().manual_seed(rows * out_features)
+    x = torch.randn(rows, 2 * in_features, generator=generator)[:, :in_features].to(DEVICE, dtype)  # strided rows
+    weight = (torch.randn(out_features, in_features, generator=generator) * in_features**-0.5).to(DEVICE, dtype)
+    y = gemv(x, weight)
+    expected = x.double() @ weight.double().T
+    assert y.dtype == dtype and y.shape == (rows, out_features)
+    # float32: the sum in another order; bfloat16: the output's rounding (and the interpreter's truncation).
+    allowed = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2**-5)}[dtype]
+    torch.testing.assert_close(y.double(), expected, **allowed)
+
+
+def test_linear_takes_the_kernel_only_for_a_few_rows_of_a_narrow_output():
+    layer = torch.nn.Linear(64, 16, bias=False).to(DEVICE)
+    wide = torch.nn.Linear(64, 70000, bias=False).to(DEVICE)
+    assert use_gemv(torch.nn.Sequential(layer, wide)) == 2
+    x = torch.randn(MAX_ROWS + 1, 64, device=DEVICE)
+    with torch.no_grad():
+        for batch in (x[:1], x[:MAX_ROWS], x):  # the kernel, the kernel, F.linear
+            torch.testing.assert_close(layer(batch), F.linear(batch, layer.weight), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(wide(x[:1]), F.linear(x[:1], wide.weight), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(linear(x[:2, None], layer.weight), F.linear(x[:2, None], layer.weight))
+    with pytest.raises(ValueError, match="gemv"):
+        gemv(x, layer.weight)

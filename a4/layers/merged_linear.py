@@ -37,6 +37,8 @@ class MergedLinear(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.cat([linear.weight for linear in linears]), requires_grad=False)
         self.split_sizes = [linear.out_features for linear in linears]
+        # How the product is computed: F.linear, or a4's small-batch kernel on CUDA (a4/kernels/gemv.py: use_gemv).
+        self.matmul = F.linear
         self._input: torch.Tensor | None = None
         self._outputs: tuple[torch.Tensor, ...] = ()
         self._unread: set[int] = set()
@@ -45,7 +47,7 @@ class MergedLinear(nn.Module):
         """Part `part`'s columns of x @ weight.T, from the product of the group's first call with x."""
         if x is not self._input or part not in self._unread:
             self._input = x
-            self._outputs = F.linear(x, self.weight).split(self.split_sizes, dim=-1)
+            self._outputs = self.matmul(x, self.weight).split(self.split_sizes, dim=-1)
             self._unread = set(range(len(self.split_sizes)))
         self._unread.discard(part)
         out = self._outputs[part]

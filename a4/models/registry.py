@@ -91,9 +91,10 @@ def load_model(
 
 
 def fuse_for_device(model: nn.Module, device: torch.device, merge_projections: bool | None = None) -> None:
-    """Where a4's Triton kernels run, every norm in one launch instead of ~10 (a4/kernels/rmsnorm.py): a decode
-    step's launches are its cost. `merge_projections`: the projections that read one input as one GEMM
-    (a4/layers/merged_linear.py); None: where the Triton kernels run. Neither changes a module's forward."""
+    """Where a4's Triton kernels run: every norm in one launch instead of ~10 (a4/kernels/rmsnorm.py), a decode
+    step's launches being its cost, and the linear layers on a few rows as matrix-vector products
+    (a4/kernels/gemv.py). `merge_projections`: the projections that read one input as one GEMM
+    (a4/layers/merged_linear.py); None: where the Triton kernels run. None of them changes a layer's forward."""
     if merge_projections is None:
         merge_projections = triton_kernels_run_on(device)
     if merge_projections:
@@ -101,6 +102,8 @@ def fuse_for_device(model: nn.Module, device: torch.device, merge_projections: b
 
         merge(model)
     if triton_kernels_run_on(device):
+        from a4.kernels.gemv import use_gemv
         from a4.kernels.rmsnorm import use_fused_norms
 
         use_fused_norms(model)
+        use_gemv(model)

@@ -1,0 +1,103 @@
+"""A Triton kernel for a linear layer on a few token rows (decode at small batch): y = x @ W.T, x [M <= 4, K].
+
+Why a kernel of our own: with one to four rows, a linear layer is a matrix-vector product, bound by reading W once
+from HBM. cuBLAS tiles it as a GEMM and, for the layers whose output is narrow, spreads it over too few thread
+blocks: on an H200, Qwen3.5-0.8B's `down_proj` (3584 -> 1024, 7.3 MB) took 10.4 us at batch 1, 0.7 TB/s of a 4.8
+TB/s memory, and the GDN `out_proj` and attention `o_proj` (2048 -> 1024) ran as slowly; together a fifth of the
+decode step. Here each program owns BLOCK_N output features and streams their rows of W (BLOCK_N x BLOCK_K tiles,
+pipelined over K), so a 1024-wide output is 128 programs, about one per SM, each reading its 8 rows of W once and
+keeping all M token rows' dot products in registers.
+
+The arithmetic is a dot product per output in float32, cast to x's dtype at the end, as cuBLAS computes a bfloat16
+GEMM (the sum is taken in another order). `use_gemv(model)` routes a model's bias-free linear layers (and merged
+projections) through `linear`, which takes this kernel for at most MAX_ROWS rows on CUDA and F.linear otherwise.
+"""
+
+from __future__ import annotations
+
+from types import MethodType
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+from torch import nn
+
+# Rows a call may have to take the kernel: decode at batch 1 to 4, a batch-1 verify step of up to 3 drafts. With
+# more rows cuBLAS's GEMM tiles do better.
+MAX_ROWS = 4
+# Wider outputs (lm_head's vocabulary) already keep every SM busy under cuBLAS.
+MAX_OUT_FEATURES = 65536
+BLOCK_N = 8
+BLOCK_K = 512
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr, w_ptr, y_ptr,
+    rows, out_features, in_features,
+    stride_x, stride_w, stride_y,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m = tl.arange(0, BLOCK_M)
+    in_n, in_m = n < out_features, m < rows
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for start in range(0, in_features, BLOCK_K):
+        k = start + tl.arange(0, BLOCK_K)
+        in_k = k < in_features
+        w = tl.load(w_ptr + n[:, None] * stride_w + k[None, :], mask=in_n[:, None] & in_k[None, :], other=0.0)
+        x = tl.load(x_ptr + m[:, None] * stride_x + k[None, :], mask=in_m[:, None] & in_k[None, :], other=0.0)
+        acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+    y = y_ptr + m[:, None] * stride_y + n[None, :]
+    tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=in_m[:, None] & in_n[None, :])
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [..., K] (at most MAX_ROWS rows in all) times weight [N, K] transposed: [..., N] in x's dtype."""
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    num_rows, in_features = rows.shape
+    out_features = weight.shape[0]
+    if num_rows > MAX_ROWS or weight.shape[1] != in_features or weight.stride(1) != 1:
+        raise ValueError(
+            f"gemv: x {tuple(x.shape)} and weight {tuple(weight.shape)} (strides {weight.stride()}) do not fit "
+            f"x [<= {MAX_ROWS} rows, K], weight [N, K] with unit stride along K"
+        )
+    y = torch.empty(num_rows, out_features, dtype=x.dtype, device=x.device)
+    if num_rows:
+        _gemv_kernel[(triton.cdiv(out_features, BLOCK_N),)](
+            rows, weight, y,
+            num_rows, out_features, in_features,
+            rows.stride(0), weight.stride(0), y.stride(0),
+            BLOCK_M=triton.next_power_of_2(num_rows), BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=4, num_stages=4,
+        )  # fmt: skip
+    return y.view(*x.shape[:-1], out_features)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """F.linear(x, weight) without bias, through `gemv` where it is the faster of the two."""
+    few_rows = x.numel() <= MAX_ROWS * x.shape[-1] and weight.shape[0] <= MAX_OUT_FEATURES
+    if x.is_cuda and few_rows and weight.stride(1) == 1:
+        return gemv(x, weight)
+    return F.linear(x, weight)
+
+
+def _linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    return linear(x, self.weight)
+
+
+def use_gemv(model: nn.Module) -> int:
+    """Route `model`'s bias-free nn.Linear layers and merged projections through `linear`; returns how many."""
+    from a4.layers.merged_linear import MergedLinear
+
+    routed = 0
+    for module in model.modules():
+        if type(module) is nn.Linear and module.bias is None:
+            module.forward = MethodType(_linear_forward, module)
+            routed += 1
+        elif isinstance(module, MergedLinear):
+            module.matmul = linear
+            routed += 1
+    return routed
