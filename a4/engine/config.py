@@ -107,11 +107,11 @@ class EngineConfig:
             raise ValueError(
                 f"tensor_parallel_size {size} needs {size} GPUs, this machine has {torch.cuda.device_count()}"
             )
-        if self.cuda_graphs:
+        if self.cuda_graphs and device.type == "cuda":
             # A captured step would replay its collectives without the broadcast that starts the workers' step.
             raise ValueError(
-                f"cuda_graphs=True cannot be combined with tensor_parallel_size {size}: decode steps run over the "
-                "static buffers uncaptured; leave cuda_graphs=None or False"
+                f"cuda_graphs=True cannot be combined with tensor_parallel_size {size} on CUDA: decode steps run over "
+                "the static buffers uncaptured; leave cuda_graphs=None or False"
             )
 
     @property
