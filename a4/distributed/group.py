@@ -79,3 +79,50 @@ def init_tp_group(rank: int, world_size: int, store_path: str, device: torch.dev
 def destroy_tp_group() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def run_ranks(fn, world_size: int, *args) -> list:
+    """fn(group, *args) on `world_size` spawned CPU ranks of one gloo group; each rank's return value, rank 0's first.
+
+    For checks of the parallel layers (tests, notebook 13): `fn` must be importable by name (defined in a module,
+    not in a notebook). An exception on any rank is a RuntimeError here with that rank's traceback."""
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    spawn = mp.get_context("spawn")
+    results = spawn.SimpleQueue()
+    with tempfile.TemporaryDirectory(prefix="a4-ranks-") as store_dir:
+        ranks = [
+            spawn.Process(target=_run_rank, args=(fn, rank, world_size, f"{store_dir}/rendezvous", results, args))
+            for rank in range(world_size)
+        ]
+        for process in ranks:
+            process.start()
+        answers = dict(results.get() for _ in ranks)
+        for process in ranks:
+            process.join()
+    failed = {rank: answer for rank, answer in answers.items() if isinstance(answer, _RankError)}
+    if failed:
+        rank, error = min(failed.items())
+        raise RuntimeError(f"rank {rank} of {world_size} failed:\n{error.traceback}")
+    return [answers[rank] for rank in range(world_size)]
+
+
+@dataclass
+class _RankError:
+    traceback: str
+
+
+def _run_rank(fn, rank: int, world_size: int, store_path: str, results, args: tuple) -> None:
+    import traceback
+
+    torch.set_num_threads(1)
+    try:
+        group = init_tp_group(rank, world_size, store_path, torch.device("cpu"))
+        try:
+            results.put((rank, fn(group, *args)))
+        finally:
+            destroy_tp_group()
+    except BaseException:  # noqa: BLE001 - reported to the parent, which raises it
+        results.put((rank, _RankError(traceback.format_exc())))
