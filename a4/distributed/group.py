@@ -10,15 +10,19 @@ Two groups over the same N ranks, as vLLM keeps a CPU group beside its device gr
 
 The ranks meet through a file (torch's FileStore): no port to choose, so nothing to collide with another engine.
 torch.distributed has one default group per process, so a process runs one tensor-parallel engine at a time.
+`run_ranks` runs a function on N spawned CPU ranks, for checks of the parallel layers.
 """
 
 from __future__ import annotations
 
 import datetime
+import tempfile
+import traceback
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 
 COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=60)
 IDLE_TIMEOUT = datetime.timedelta(days=7)
@@ -86,10 +90,6 @@ def run_ranks(fn, world_size: int, *args) -> list:
 
     For checks of the parallel layers (tests, notebook 13): `fn` must be importable by name (defined in a module,
     not in a notebook). An exception on any rank is a RuntimeError here with that rank's traceback."""
-    import tempfile
-
-    import torch.multiprocessing as mp
-
     spawn = mp.get_context("spawn")
     results = spawn.SimpleQueue()
     with tempfile.TemporaryDirectory(prefix="a4-ranks-") as store_dir:
@@ -115,8 +115,6 @@ class _RankError:
 
 
 def _run_rank(fn, rank: int, world_size: int, store_path: str, results, args: tuple) -> None:
-    import traceback
-
     torch.set_num_threads(1)
     try:
         group = init_tp_group(rank, world_size, store_path, torch.device("cpu"))
