@@ -155,9 +155,11 @@ class TestQwen3_5TwoRanks:
         assert_matches_transformers(llm, qwen3_5, prompts(12, 30, seed=40))
 
 
-def test_qwen3_5_refuse_policy(qwen3_5):
+def test_qwen3_5_refuse_policy_with_merged_projections(qwen3_5):
+    # merge_projections: each rank's shares of in_proj_qkv / z / b / a (and q / k / v, gate / up) as one GEMM.
     first = prompts(20, seed=30)[0]
-    with LLM(qwen3_5, tensor_parallel_size=2, hybrid_prefix_policy="refuse", **ENGINE) as llm:
+    options = dict(hybrid_prefix_policy="refuse", merge_projections=True, **ENGINE)
+    with LLM(qwen3_5, tensor_parallel_size=2, **options) as llm:
         outputs = assert_matches_transformers(llm, qwen3_5, [first, first + prompts(4, seed=31)[0]])
         assert [output.cached_tokens for output in outputs] == [0, 0]
 
