@@ -143,6 +143,7 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, **flag)
     engine.add_argument("--merge-projections", action=argparse.BooleanOptionalAction, **flag)
     engine.add_argument("--speculative-tokens", type=non_negative_int, **flag)
+    engine.add_argument("--tensor-parallel-size", type=positive_int, **flag)
 
 
 def token_ids(text: str) -> list[int]:

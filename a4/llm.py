@@ -58,6 +58,17 @@ class LLM:
                 )
         self.engine = Engine(EngineConfig(model_dir, **options), drafter=drafter)
 
+    def close(self) -> None:
+        """Stop the worker processes of a tensor-parallel LLM (`tensor_parallel_size` > 1; they also stop when the
+        LLM is collected or Python exits). Nothing to do for one process; safe to call twice."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
     @property
     def memory_plan(self) -> MemoryPlan:
         return self.engine.memory_plan

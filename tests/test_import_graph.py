@@ -14,7 +14,7 @@ from pathlib import Path
 from a4._overlay import REPO_ROOT
 
 # The engine's packages and modules (the course tooling and the benches sit on top of them and are not counted).
-CORE = ("core", "llm", "engine", "scheduler", "kvcache", "layers", "models", "speculative", "kernels")
+CORE = ("core", "llm", "engine", "scheduler", "kvcache", "layers", "models", "speculative", "kernels", "distributed")
 
 
 def module_name(path: Path, root: Path) -> str:

@@ -44,6 +44,9 @@ class EngineConfig:
     # Speculative decoding (a4/speculative, notebook 11): drafts per decode step, verified in one forward; 0: off.
     # Qwen3.5 drafts with its checkpoint's MTP module unless the Engine is given another drafter. Greedy only.
     speculative_tokens: int = 0
+    # Tensor parallelism (a4/distributed): the model split over this many processes, one per GPU (or all on the
+    # CPU), rank 0 this one; each rank's memory plan is its share's. 1: no split.
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if not Path(self.model_dir).is_dir():
@@ -86,6 +89,30 @@ class EngineConfig:
             value = getattr(self, name)
             if not (value is None or isinstance(value, bool)):
                 raise ValueError(f"{name} must be True, False or None, got {value!r}")
+        self._check_tensor_parallel()
+
+    def _check_tensor_parallel(self) -> None:
+        size = self.tensor_parallel_size
+        if not _is_int(size) or size <= 0:
+            raise ValueError(f"tensor_parallel_size must be a positive integer, got {size!r}")
+        if size == 1:
+            return
+        device = self.torch_device
+        if device.type not in ("cpu", "cuda") or device.index not in (None, 0):
+            raise ValueError(
+                f"tensor_parallel_size {size} runs on the CPU or on GPUs 0..{size - 1}: device must be 'cpu' or "
+                f"'cuda', got {str(self.device)!r}"
+            )
+        if device.type == "cuda" and torch.cuda.device_count() < size:
+            raise ValueError(
+                f"tensor_parallel_size {size} needs {size} GPUs, this machine has {torch.cuda.device_count()}"
+            )
+        if self.cuda_graphs and device.type == "cuda":
+            # A captured step would replay its collectives without the broadcast that starts the workers' step.
+            raise ValueError(
+                f"cuda_graphs=True cannot be combined with tensor_parallel_size {size} on CUDA: decode steps run over "
+                "the static buffers uncaptured; leave cuda_graphs=None or False"
+            )
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -25,6 +25,7 @@ from dataclasses import replace
 import torch
 
 from a4.core import Batch, Req, SamplingParams
+from a4.distributed.driver import TPDriver
 from a4.engine.config import EngineConfig
 from a4.engine.factories import create_prefix_cache
 from a4.engine.memory_plan import MemoryLedger, MemoryPlan
@@ -48,20 +49,37 @@ class Engine:
         """`drafter`: what proposes the drafts of speculative decoding (config.speculative_tokens > 0); None: the
         checkpoint's MTP module (Qwen3.5)."""
         self.config = config
+        # Tensor parallelism: the other ranks start first and load their shares while this process loads its own.
+        self.tp = TPDriver(config) if config.tensor_parallel_size > 1 else None
+        try:
+            self._build(config, progress, drafter)
+        except BaseException:
+            self.close()
+            raise
+
+    def _build(self, config: EngineConfig, progress: bool, drafter: Drafter | None) -> None:
+        tp = self.tp
+        shard = None if tp is None else tp.shard
         self.model_config, model, self.load_report = load_model(
             config.model_dir,
             dtype=config.torch_dtype,
             device=config.torch_device,
             progress=progress,
             merge_projections=config.merge_projections,
+            shard=shard,
         )
         mtp = None
         if config.speculative_tokens and drafter is None:
-            mtp = load_mtp_module(config, self.model_config, model)
+            mtp = load_mtp_module(config, self.model_config, model, shard)
         if drafter is not None and not config.speculative_tokens:
             raise ValueError("a drafter was given but speculative_tokens is 0: set speculative_tokens=k to use it")
         draft_kv_layers = len(mtp.layers) if mtp is not None else getattr(drafter, "kv_layers", 0)
-        self.runner = ModelRunner(config, self.model_config, model, draft_kv_layers)
+        # Each rank plans and pools its own share; rank 0 serves the whole model's vocabulary and requests.
+        runner_config = self.model_config if tp is None else tp.rank_config
+        self.runner = ModelRunner(config, runner_config, model, draft_kv_layers, tp)
+        if tp is not None:
+            tp.serve(self.runner, load_mtp=mtp is not None)
+            mtp = mtp if mtp is None else tp.mirror(mtp, "mtp")
         runner = self.runner
         # A verify step writes its k drafts' positions even when it keeps none of them: they are reserved too.
         lookahead = runner.tokens_per_decode - 1
@@ -90,6 +108,11 @@ class Engine:
         self._owner: threading.Thread | None = None  # the thread inside a call, while one runs
         self._in_step = False
         self._deferred_aborts: list[tuple[Req, str | None]] = []
+
+    def close(self) -> None:
+        """Stop a tensor-parallel engine's worker processes (nothing to do for one process); safe to call twice."""
+        if self.tp is not None:
+            self.tp.shutdown()
 
     # The runner's parts, where notebooks and tests look at them.
     model = property(lambda self: self.runner.model)

@@ -18,7 +18,7 @@ steps are eager. After SGLang's ModelRunner; the Engine (engine.py) drives it.
 from __future__ import annotations
 
 import itertools
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 from torch import nn
@@ -32,6 +32,9 @@ from a4.kvcache.allocator import PageAllocator
 from a4.models.config import ModelConfig
 from a4.scheduler.cache import pages_for
 from a4.scheduler.table import TableManager
+
+if TYPE_CHECKING:
+    from a4.distributed.driver import TPDriver
 
 
 class ModelOutput(NamedTuple):
@@ -47,9 +50,20 @@ def forward_mode(batch: Batch) -> ForwardMode:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model_config: ModelConfig, model: nn.Module, draft_kv_layers: int = 0):
+    def __init__(
+        self,
+        config: EngineConfig,
+        model_config: ModelConfig,
+        model: nn.Module,
+        draft_kv_layers: int = 0,
+        tp: TPDriver | None = None,
+    ):
         """`draft_kv_layers`: attention layers of a draft model (Qwen3.5's MTP module) whose KV lives in the same
-        pool, after the main model's layers (the memory plan counts them)."""
+        pool, after the main model's layers (the memory plan counts them). `tp`: rank 0 of a tensor-parallel engine
+        (a4/distributed/driver.py): `model_config` is then one rank's share, and so are the plan and the pools;
+        the model's calls and the state pool's operations are mirrored to the other ranks."""
+        if tp is not None:
+            model = tp.mirror(model, "model")
         self.model_config, self.model = model_config, model
         self.device, dtype, page_size = config.torch_device, config.torch_dtype, config.page_size
         self.ledger, self.memory_plan = create_memory_plan(config, model_config, draft_kv_layers)
@@ -74,6 +88,8 @@ class ModelRunner:
         self.kv_pool = create_kv_pool(model_config, plan.num_pages + padding_pages, page_size, dtype, self.device,
                                       draft_kv_layers)  # fmt: skip
         self.state_pool = create_state_pool(model_config, num_slots, dtype, self.device)
+        if tp is not None:
+            self.state_pool = tp.mirror_state_pool(self.state_pool)
         if self.state_pool is not None and config.speculative_tokens:
             self.state_pool.allocate_verify_states(self.tokens_per_decode)
         self.backend, static_backend = create_backends(model_config, self.device, dtype)
@@ -98,7 +114,8 @@ class ModelRunner:
                 backend=static_backend,
                 padding_slot=padding_slot,
                 # A mixture of experts splits its tokens by expert with sizes read on the host (graph_runner.py).
-                capture=on_cuda and config.cuda_graphs is not False and not model_config.is_moe,
+                # Nor can a graph replay a tensor-parallel step, which starts with a broadcast to the other ranks.
+                capture=on_cuda and config.cuda_graphs is not False and not model_config.is_moe and tp is None,
             )
 
     def forward(self, batch: Batch, input_ids: list[int] | None = None, every_row: bool = False) -> ModelOutput:

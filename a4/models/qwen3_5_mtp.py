@@ -36,7 +36,7 @@ from a4.layers.gated_attention import ZeroCenteredRMSNorm
 from a4.layers.rope import RotaryEmbedding
 from a4.models.config import FULL_ATTENTION, ModelConfig
 from a4.models.qwen3_5 import Qwen3_5DecoderLayer, Qwen3_5ForConditionalGeneration
-from a4.models.registry import default_dtype, fuse_for_device
+from a4.models.registry import Shard, default_dtype, fuse_for_device
 from a4.models.weights import LoadReport, load_weights
 
 MTP_PREFIX = "mtp."
@@ -98,16 +98,20 @@ def load_mtp(
     device: torch.device | str,
     progress: bool = False,
     merge_projections: bool | None = None,
+    shard: Shard | None = None,
 ) -> tuple[Qwen3_5MTP, LoadReport]:
     """The MTP module of the checkpoint in model_dir, on `device` in `dtype`, sharing `main`'s embedding and lm_head.
 
     Raises WeightLoadError, before reading any tensor, naming every `mtp.*` key that fills no parameter or has the
     wrong shape and every parameter no key fills (a checkpoint without an MTP module: all of them). The module comes
-    back in eval mode, without gradients.
+    back in eval mode, without gradients. `shard`: as for `load_model` (a tensor-parallel rank's share; `main` is
+    then that rank's share too).
     """
     with torch.device(device), default_dtype(dtype):
         mtp = Qwen3_5MTP(main.config, main)
     report = load_weights(mtp, model_dir, key_map=mtp_key_map, device=device, dtype=dtype, progress=progress)
     mtp.eval().requires_grad_(False)
+    if shard is not None:
+        shard(mtp, main.config)
     fuse_for_device(mtp, torch.device(device), merge_projections)
     return mtp, report

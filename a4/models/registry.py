@@ -25,6 +25,10 @@ MODEL_REGISTRY: dict[str, str] = {
     "Qwen3_5MoeForConditionalGeneration": "a4.models.qwen3_5_moe:Qwen3_5MoeForConditionalGeneration",
 }
 
+# A tensor-parallel rank's cut of a loaded model, in place: shard(model, config).
+Shard = Callable[[nn.Module, ModelConfig], None]
+
+
 def model_class(architecture: str) -> type[nn.Module]:
     if architecture not in MODEL_REGISTRY:
         raise ConfigError(f"no model class for architecture {architecture!r} (known: {sorted(MODEL_REGISTRY)})")
@@ -69,12 +73,14 @@ def load_model(
     device: torch.device | str,
     progress: bool = True,
     merge_projections: bool | None = None,
+    shard: Shard | None = None,
 ) -> tuple[ModelConfig, nn.Module, LoadReport]:
     """Read config.json, build the registered model class on `device` in `dtype`, load its weights.
 
     A model class may define `checkpoint_key_map(key) -> str | None` (a staticmethod) to rename or skip checkpoint
     keys; without one, the keys are its parameter names. The model comes back in eval mode, without gradients, and
-    with the fusions of `fuse_for_device`.
+    with the fusions of `fuse_for_device`. `shard(model, config)`: a tensor-parallel rank keeps its share of the
+    loaded weights (a4/distributed/sharding.py), before the fusions.
     """
     device = usable_device(device)
     dtype = resolve_dtype(dtype)
@@ -86,6 +92,8 @@ def load_model(
     key_map: Callable[[str], str | None] = getattr(cls, "checkpoint_key_map", identity)
     report = load_weights(model, model_dir, key_map=key_map, device=device, dtype=dtype, progress=progress)
     model.eval().requires_grad_(False)
+    if shard is not None:
+        shard(model, config)
     fuse_for_device(model, device, merge_projections)
     return config, model, report
 

@@ -127,9 +127,9 @@ class MTPDrafter:
         return self.mtp(fb, hidden)
 
 
-def load_mtp_module(config, model_config, model: torch.nn.Module) -> torch.nn.Module:
+def load_mtp_module(config, model_config, model: torch.nn.Module, shard=None) -> torch.nn.Module:
     """The checkpoint's MTP module, the default drafter of an EngineConfig with speculative_tokens: dense Qwen3.5
-    only (a ValueError naming why otherwise)."""
+    only (a ValueError naming why otherwise). `shard`: a tensor-parallel rank's cut, as for `load_model`."""
     if not model_config.is_hybrid:
         raise ValueError(
             f"speculative_tokens needs a draft: {model_config.architecture} checkpoints have no MTP module (only "
@@ -149,4 +149,5 @@ def load_mtp_module(config, model_config, model: torch.nn.Module) -> torch.nn.Mo
         dtype=config.torch_dtype,
         device=config.torch_device,
         merge_projections=config.merge_projections,
+        shard=shard,
     )[0]

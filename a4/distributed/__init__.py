@@ -1,0 +1,2 @@
+"""Tensor parallelism (issue 21): one model split over N processes that run each step together through
+torch.distributed, rank 0 the engine's own process (driver.py), ranks 1.. its workers (worker.py)."""

@@ -1,0 +1,261 @@
+"""Rank 0's side of a tensor-parallel engine: it starts the workers, shards its own model, and mirrors to them every
+module call and state-pool operation of the engine (protocol.py), so that the engine above it is unchanged.
+
+`TPDriver(config)` spawns ranks 1 .. N-1 (worker.py; torch.multiprocessing's spawn context, a fresh interpreter
+each) and joins their process group (group.py). The engine then loads its model with `shard` (sharding.py), builds
+its ModelRunner over `rank_config` (so its memory ledger, plan and pools are one rank's), and hands its model, its
+MTP module and its state pool to `mirror` / `mirror_state_pool`. What those return behave as what they wrap, except
+that each module call first broadcasts the step to the workers, and each state-pool operation is logged for the next
+broadcast. `serve(runner)` sends the pools' sizes; `shutdown()` stops the workers.
+
+Failures: a module call is a collective, so it must run to its end on every rank or on none.
+- Ctrl-C is held until the call returns (as the scheduler holds it while booking), then raised: the step is aborted
+  on rank 0, every rank has run the same forward, and the next request in a slot starts from a cleared or restored
+  state there as everywhere.
+- A worker that dies fails rank 0's next collective at once (gloo sees the closed connection), or its
+  COLLECTIVE_TIMEOUT if it hangs; any exception inside a call leaves the ranks at different points of it. Either
+  way the driver kills the workers and raises a RuntimeError saying which rank died and how; every later call
+  raises the same error. A new LLM starts a new group.
+"""
+
+from __future__ import annotations
+
+import itertools
+import signal
+import shutil
+import tempfile
+import weakref
+from functools import partial
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+from a4.distributed.group import destroy_tp_group, init_tp_group
+from a4.distributed.protocol import Call, PoolOp, RankReport, Report, Setup, StepInputs, Stop, to_host
+from a4.distributed.sharding import check_divisible, rank_model_config, shard_model
+from a4.distributed.worker import worker_main
+from a4.engine.config import EngineConfig
+from a4.models.config import ModelConfig, load_model_config
+from a4.scheduler.scheduler import sigint_deferred
+
+# How long `shutdown` waits for a worker to leave after Stop before killing it.
+STOP_WAIT_SECONDS = 10.0
+
+
+class TPDriver:
+    def __init__(self, config: EngineConfig) -> None:
+        world_size = config.tensor_parallel_size
+        self.model_config = load_model_config(config.model_dir)
+        check_divisible(self.model_config, world_size)
+        self.rank_config: ModelConfig = rank_model_config(self.model_config, world_size)
+        self._store_dir = tempfile.mkdtemp(prefix="a4-tp-")
+        store_path = str(Path(self._store_dir) / "rendezvous")
+        spawn = mp.get_context("spawn")
+        self.workers = [
+            spawn.Process(
+                target=worker_main,
+                args=(rank, world_size, store_path, config, torch.get_num_threads()),
+                name=f"a4-tp-rank{rank}",
+                daemon=True,
+            )
+            for rank in range(1, world_size)
+        ]
+        for worker in self.workers:
+            worker.start()
+        # Killed at the latest when this driver is collected or the interpreter exits.
+        self._finalizer = weakref.finalize(self, _kill, self.workers, self._store_dir)
+        self._ops: list[PoolOp] = []
+        self._down: str | None = None  # why the group is down, once it is
+        self._checkpoint_keys = itertools.count()
+        try:
+            self.group = init_tp_group(0, world_size, store_path, config.torch_device)
+        except BaseException:
+            self._finalizer()
+            raise
+
+    @property
+    def world_size(self) -> int:
+        return self.group.world_size
+
+    def shard(self, model: nn.Module, config: ModelConfig) -> None:
+        """Rank 0's share of a loaded module (registry.load_model's and load_mtp's `shard` hook)."""
+        shard_model(model, config, self.group)
+
+    def mirror(self, module: nn.Module, name: str) -> MirroredModule:
+        return MirroredModule(module, name, self)
+
+    def mirror_state_pool(self, pool):
+        return None if pool is None else MirroredStatePool(pool, self)
+
+    def serve(self, runner, *, load_mtp: bool) -> None:
+        """Size the workers' pools as rank 0's (`runner`: its ModelRunner); from here they follow every call."""
+        kv_pool, table = runner.kv_pool, runner.table_manager.req_to_token
+        setup = Setup(kv_pool.num_layers, kv_pool.num_pages, kv_pool.page_size, *table.shape, load_mtp=load_mtp)
+        self._collective(lambda: self._send(setup))
+
+    def call(self, module: str, method: str, fb, args: tuple, kwargs: dict, run):
+        """`run()` (rank 0's own call), with the workers making the same call on their shards."""
+        step = None if fb is None else StepInputs.of(fb)
+        message = Call(module, method, step, to_host(args), kwargs)
+
+        def together():
+            self._send(message)
+            return run()
+
+        return self._collective(together)
+
+    def log(self, op: PoolOp) -> None:
+        self._ops.append(op)
+
+    def new_checkpoint_key(self) -> int:
+        return next(self._checkpoint_keys)
+
+    def reports(self) -> list[RankReport]:
+        """Every worker's report (after the ops so far), rank 1 first."""
+
+        def ask():
+            self._send(Report())
+            answers = [None] * self.world_size
+            dist.gather_object(None, answers, dst=0, group=self.group.command)
+            return answers[1:]
+
+        return self._collective(ask)
+
+    def shutdown(self) -> None:
+        """Stop the workers (killing those that do not leave) and leave the group; safe to call twice."""
+        if self._down is None:
+            try:
+                self._send(Stop())
+                for worker in self.workers:
+                    worker.join(STOP_WAIT_SECONDS)
+            except Exception:  # noqa: BLE001 - a worker already gone: nothing more to tell it
+                pass
+            self._down = "the engine was closed"
+        self._finalizer()
+        destroy_tp_group()
+
+    def _send(self, command) -> None:
+        ops, self._ops = self._ops, []
+        dist.broadcast_object_list([(ops, command)], src=0, group=self.group.command)
+
+    def _collective(self, fn):
+        """fn(), which every rank takes part in: refused when the group is down, Ctrl-C held until it returns, and
+        any failure inside it taking the group down (module docstring)."""
+        if self._down is not None:
+            raise RuntimeError(f"the tensor-parallel engine is down ({self._down}): create a new LLM")
+        dead = self._dead_workers()
+        if dead:
+            self._fail(dead)
+            raise RuntimeError(f"tensor-parallel {dead}; the engine is down")
+        # The held Ctrl-C is raised when the block ends, after the call: outside the `try`, a clean interrupt.
+        with sigint_deferred():
+            try:
+                return fn()
+            except BaseException as e:
+                # A worker whose connection just closed may not have been reaped yet: give it a moment.
+                dead = self._dead_workers(wait_seconds=1.0)
+                self._fail(dead or f"rank 0 stopped inside a collective call ({type(e).__name__}: {e})")
+                if dead:
+                    raise RuntimeError(f"tensor-parallel {dead}; the engine is down") from e
+                raise
+
+    def _dead_workers(self, wait_seconds: float = 0.0) -> str | None:
+        """Which workers have exited, and how (None: all alive)."""
+        if wait_seconds:
+            for worker in self.workers:
+                worker.join(wait_seconds / len(self.workers))
+        dead = [(rank, worker) for rank, worker in enumerate(self.workers, 1) if worker.exitcode is not None]
+        if not dead:
+            return None
+        return ", ".join(f"worker rank {rank} (pid {w.pid}) {_how(w.exitcode)}" for rank, w in dead)
+
+    def _fail(self, reason: str) -> None:
+        self._down = reason
+        self._finalizer()
+
+
+def _how(exitcode: int) -> str:
+    if exitcode < 0:
+        return f"was killed by {signal.Signals(-exitcode).name}"
+    return f"exited with code {exitcode}" + (" (its traceback is on stderr)" if exitcode else "")
+
+
+def _kill(workers: list, store_dir: str) -> None:
+    for worker in workers:
+        if worker.is_alive():
+            worker.kill()
+        worker.join()
+    shutil.rmtree(store_dir, ignore_errors=True)
+
+
+class MirroredModule(nn.Module):
+    """A model (or the MTP module) whose calls every rank makes together; its attributes are the module's."""
+
+    def __init__(self, module: nn.Module, name: str, driver: TPDriver) -> None:
+        super().__init__()
+        self.module, self.name, self.driver = module, name, driver
+
+    def forward(self, fb, *args, **kwargs):
+        return self.driver.call(self.name, "forward", fb, args, kwargs, partial(self.module, fb, *args, **kwargs))
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The MTP module's lm_head, vocabulary-parallel: its all-gather needs every rank."""
+        return self.driver.call(self.name, "logits", None, (hidden,), {}, partial(self.module.logits, hidden))
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.module, name)
+
+
+class MirroredCheckpoint:
+    """Rank 0's share of a state checkpoint saved on every rank; the workers hold theirs under `key`, and drop it
+    when the prefix cache drops this object."""
+
+    def __init__(self, local, key: int, driver: TPDriver) -> None:
+        self.local, self.key = local, key
+        weakref.finalize(self, driver.log, PoolOp("drop", (key,)))
+
+    conv = property(lambda self: self.local.conv)
+    recurrent = property(lambda self: self.local.recurrent)
+    nbytes = property(lambda self: self.local.nbytes)
+
+
+class MirroredStatePool:
+    """Rank 0's StatePool, each operation that changes it logged for the workers; reads go to the pool."""
+
+    def __init__(self, pool, driver: TPDriver) -> None:
+        self.pool, self.driver = pool, driver
+
+    def clear(self, slots) -> None:
+        self.pool.clear(slots)
+        self.driver.log(PoolOp("clear", (list(slots),)))
+
+    def clear_new_requests(self, reqs) -> None:
+        self.pool.clear_new_requests(reqs)
+        self.driver.log(PoolOp("clear_new_requests", ([(req.slot, req.computed_len) for req in reqs],)))
+
+    def allocate_verify_states(self, num_tokens: int) -> None:
+        self.pool.allocate_verify_states(num_tokens)
+        self.driver.log(PoolOp("allocate_verify_states", (num_tokens,)))
+
+    def commit_verified(self, slots: torch.Tensor, kept_lens: torch.Tensor) -> None:
+        self.pool.commit_verified(slots, kept_lens)
+        self.driver.log(PoolOp("commit_verified", to_host((slots, kept_lens))))
+
+    def save(self, slot: int) -> MirroredCheckpoint:
+        key = self.driver.new_checkpoint_key()
+        checkpoint = MirroredCheckpoint(self.pool.save(slot), key, self.driver)
+        self.driver.log(PoolOp("save", (slot, key)))
+        return checkpoint
+
+    def restore(self, checkpoint: MirroredCheckpoint, slot: int) -> None:
+        self.pool.restore(checkpoint.local, slot)
+        self.driver.log(PoolOp("restore", (checkpoint.key, slot)))
+
+    def __getattr__(self, name: str):
+        return getattr(self.pool, name)

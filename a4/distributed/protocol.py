@@ -1,0 +1,152 @@
+"""What rank 0 tells the workers: the messages of the tensor-parallel protocol, and a step's ForwardBatch in a form
+that crosses processes.
+
+Rank 0 runs the scheduler, the prefix cache and the sampler; the workers only run the model on their shard. So
+everything a worker needs is what rank 0 does to the model and to the state pool, and rank 0 sends it as it
+happens, in order (driver.py), one broadcast per module call:
+
+    (pool ops since the last call, command)
+
+- `PoolOp`: a state-pool operation the cache manager, the prefix cache or the speculative worker performed on rank 0
+  (clear a new request's slot, save or restore a checkpoint, commit verify states, drop a checkpoint the prefix
+  cache evicted). No rank reads a state between two module calls, so the ops wait for the next message.
+- `Call`: a module call that every rank makes together (the main model's forward, the MTP module's forward and its
+  lm_head), with the step's `StepInputs`: the ForwardBatch's tensors, and the rows of the request-slot table that
+  the step reads. Slots and KV locations are rank 0's on every rank, so a worker needs no allocator of its own.
+- `Setup` once the plan is made (the pools' sizes), `Report` for tests and diagnostics, `Stop`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+
+from a4.core import ForwardBatch, ForwardMode
+
+
+@dataclass
+class StepInputs:
+    """A ForwardBatch without its pools and backends, on the host."""
+
+    mode: ForwardMode
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    slots: torch.Tensor
+    seq_lens: torch.Tensor
+    cu_seqlens: torch.Tensor
+    max_seq_len: int
+    out_cache_loc: torch.Tensor
+    sample_indices: torch.Tensor
+    # req_to_token[slots, :max(seq_lens)]: every entry the step's layers read of the table.
+    table_rows: torch.Tensor
+    extend_lens: list[int] | None
+    prefix_lens: list[int] | None
+
+    @classmethod
+    def of(cls, fb: ForwardBatch) -> StepInputs:
+        tensors = {
+            name: getattr(fb, name).cpu()
+            for name in ("input_ids", "positions", "slots", "seq_lens", "cu_seqlens", "out_cache_loc", "sample_indices")
+        }
+        longest = int(fb.seq_lens.max())
+        return cls(
+            mode=fb.mode,
+            max_seq_len=fb.max_seq_len,
+            table_rows=fb.req_to_token[fb.slots, :longest].cpu(),
+            extend_lens=fb.extend_lens,
+            prefix_lens=fb.prefix_lens,
+            **tensors,
+        )
+
+    def forward_batch(self, req_to_token: torch.Tensor, kv_pool, state_pool, attn_backend) -> ForwardBatch:
+        """The same step over this rank's table, pools and backend (its rows of the table written first)."""
+        device = req_to_token.device
+        slots = self.slots.to(device)
+        req_to_token[slots, : self.table_rows.shape[1]] = self.table_rows.to(device)
+        tensors = {
+            field.name: getattr(self, field.name).to(device)
+            for field in fields(self)
+            if isinstance(getattr(self, field.name), torch.Tensor) and field.name != "table_rows"
+        }
+        fb = ForwardBatch(
+            mode=self.mode,
+            max_seq_len=self.max_seq_len,
+            req_to_token=req_to_token,
+            kv_pool=kv_pool,
+            state_pool=state_pool,
+            attn_backend=attn_backend,
+            extend_lens=self.extend_lens,
+            prefix_lens=self.prefix_lens,
+            **tensors,
+        )
+        attn_backend.prepare(fb)
+        return fb
+
+
+@dataclass
+class PoolOp:
+    """StatePool.<method>(*args) on every worker; checkpoints are named by `key`s rank 0 gives them."""
+
+    method: str  # clear, clear_new_requests, allocate_verify_states, commit_verified, save, restore, drop
+    args: tuple
+
+
+@dataclass
+class Call:
+    """`module`'s `method` ("forward" or "logits") on every rank, with the step's inputs (None for logits)."""
+
+    module: str  # "model" or "mtp"
+    method: str
+    step: StepInputs | None
+    args: tuple
+    kwargs: dict[str, Any]
+
+
+@dataclass
+class Setup:
+    """The pools' sizes, rank 0's: the same slots and KV locations on every rank. The shapes of a KV head and a
+    state are each rank's own (its rank_model_config)."""
+
+    kv_layers: int
+    num_pages: int
+    page_size: int
+    num_slots: int
+    max_context_len: int
+    load_mtp: bool
+
+
+@dataclass
+class Report:
+    """Every worker answers with its `RankReport`."""
+
+
+@dataclass
+class Stop:
+    pass
+
+
+@dataclass
+class RankReport:
+    rank: int
+    checkpoint_keys: list[int]
+    kv_bytes_per_token: int
+    state_bytes_per_slot: int
+
+
+def to_host(value: Any) -> Any:
+    """Tensors (also inside tuples) moved to the CPU, for pickling to another process (and device)."""
+    if isinstance(value, torch.Tensor):
+        return value.cpu()
+    if isinstance(value, tuple):
+        return tuple(to_host(v) for v in value)
+    return value
+
+
+def to_device(value: Any, device: torch.device) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, tuple):
+        return tuple(to_device(v, device) for v in value)
+    return value
