@@ -1,17 +1,18 @@
-"""Each parallel layer's output on two gloo ranks (a4/distributed/layers.py, sharding.py) = its unsplit module's.
+"""Each parallel layer's output on gloo ranks (a4/distributed/layers.py, sharding.py) = its unsplit module's.
 
 Every rank loads the tiny checkpoint twice, whole and as its share, and runs both on the same inputs: the embedding
-and lm_head, the dense MLP, the mixture of experts, and the two mixers over their pools, a prefill then a decode
-step. Outputs agree within the rounding of their sums (`tolerance`: a row-parallel layer adds its partial sums in
-another order); the embedding exactly (one rank gives each row, the others zeros). A rank's states and KV are the
-whole layer's at its own channels (exactly: copies of the same products) and value heads (to the rounding of the
-delta rule's batched products), and its KV at its KV heads (exactly).
-"""
+and lm_head, the dense MLP, the mixture of experts (its experts across the ranks, on two and four ranks), and the
+two mixers over their pools, a prefill then a decode step. Outputs agree within the rounding of their sums
+(`tolerance`: a row-parallel layer adds its partial sums in another order); the embedding exactly (one rank gives
+each row, the others zeros). A rank's states and KV are the whole layer's at its own channels (exactly: copies of
+the same products) and value heads (to the rounding of the delta rule's batched products), and its KV at its KV
+heads (exactly)."""
 
 from __future__ import annotations
 
 from functools import partial
 
+import pytest
 import torch
 
 from a4.checkpoints import tiny_checkpoint
@@ -107,10 +108,49 @@ def embedding_lm_head_and_mlps_agree(group, checkpoint) -> None:
         assert_close(share.model.layers[i].mlp(x), whole.model.layers[i].mlp(x), allowed, f"layer {i}'s MLP")
 
 
+def experts_agree(group, checkpoint) -> None:
+    """Each rank holds its E/N experts' weights only, computes only the pairs routed to them (every pair on one
+    rank), and the block's all-reduced output is the unsplit block's, for a prefill and for one decode token (which
+    may leave a rank without a pair)."""
+    config, whole, share = whole_and_share(checkpoint, group)
+    experts = rank_range(config.num_experts, group)
+    expert_bytes = 3 * config.moe_intermediate_size * config.hidden_size * F32.itemsize  # gate, up, down
+    rank_experts = rank_model_config(config, group.world_size).num_experts
+    allowed = tolerance(F32, mlp_reduction_length(config))
+    pairs_on_rank = []
+    for i, (layer_whole, layer_share) in enumerate(zip(whole.model.layers, share.model.layers)):
+        whole_experts, share_experts = layer_whole.mlp.experts, layer_share.mlp.experts
+        for name in ("gate_up_proj", "down_proj"):
+            assert torch.equal(getattr(share_experts.local_experts, name), getattr(whole_experts, name)[experts])
+        assert weight_bytes(share_experts) == rank_experts * expert_bytes
+        assert group.world_size * weight_bytes(share_experts) == weight_bytes(whole_experts)
+        hook = share_experts.local_experts.register_forward_pre_hook(
+            lambda _module, args: pairs_on_rank.append(len(args[0]))
+        )
+        for tokens in (9, 1):
+            x = randn(tokens, config.hidden_size, seed=10 * i + tokens)
+            pairs_on_rank.clear()
+            ours, expected = layer_share.mlp(x), layer_whole.mlp(x)
+            assert_close(ours, expected, allowed, f"layer {i}'s MoE block, {tokens} tokens")
+            pairs = group.all_reduce(torch.tensor(sum(pairs_on_rank)))
+            assert pairs == tokens * config.num_experts_per_tok, f"layer {i}: {pairs} pairs computed over the ranks"
+        hook.remove()
+
+
+def weight_bytes(module: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in module.parameters())
+
+
 def test_gdn_and_attention_shares_and_their_states():
     run_ranks(mixers_agree, 2, tiny_checkpoint("qwen3_5"))
 
 
-def test_embedding_lm_head_mlp_and_moe():
-    for arch in ("qwen3_5", "qwen3_5_moe", "qwen3"):
+def test_embedding_lm_head_and_mlp():
+    for arch in ("qwen3_5", "qwen3"):
         run_ranks(embedding_lm_head_and_mlps_agree, 2, tiny_checkpoint(arch))
+
+
+@pytest.mark.parametrize("size, overrides", [(2, {}), (4, {"linear_num_key_heads": 4})])
+def test_experts_across_ranks(size, overrides):
+    # Four ranks: the tiny checkpoint's two key heads made four; its 8 experts already divide.
+    run_ranks(experts_agree, size, tiny_checkpoint("qwen3_5_moe", **overrides))

@@ -10,8 +10,12 @@ Megatron-LM's split of a transformer, as SGLang and vLLM use it:
   rows; a token outside its range gets zeros, and the all-reduce gives every token its one row;
 - the parallel lm_head (`ParallelLMHead`): each rank computes the logits of its vocabulary range, and an all-gather
   puts them side by side (a tied lm_head shares the embedding's shard).
-A layer whose output is a sum of column-parallel terms that do not pass through a linear layer of their own (a
-mixture of experts' block) gets the all-reduce as a forward hook on its module (`all_reduce_output`).
+- expert parallelism (`ExpertParallelExperts`): a mixture of experts' routed experts split across the ranks, as
+  SGLang's and vLLM's EP: each rank holds E/N whole experts and computes only the token-expert pairs routed to them;
+  its output, the sum over its pairs, is a partial sum of the routed experts' output.
+A layer whose output is a sum of partial sums that do not pass through a linear layer of their own (a mixture of
+experts' block: its routed experts' and its shared expert's) gets the all-reduce as a forward hook on its module
+(`all_reduce_output`).
 
 Every rank ends each layer with the same values, bit for bit (an all-reduce gives every rank the same sum), so the
 residual stream, the norms and everything between the split layers are computed alike everywhere, unsplit.
@@ -96,6 +100,44 @@ class ParallelLMHead(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.group.all_gather(F.linear(hidden, self.weight))
+
+
+class ExpertParallelExperts(nn.Module):
+    """This rank's share of a mixture of experts' routed experts: `rank_experts`, contiguous global expert ids.
+
+    The block's own experts module (notebook 09's FusedExperts) is kept, holding only these experts' weights, and
+    its forward runs unchanged on a subset of the pairs. It takes k choices per token, and how many of a token's k
+    experts are this rank's varies from token to token, so it is handed each of this rank's pairs as a token of its
+    own with one choice, the expert id made local by `expert_map` (SGLang's and vLLM's name: global id -> local
+    id, -1 for another rank's expert); the pairs' outputs are then summed per token (in another order than the
+    unsplit block's, as the all-reduce's sum over the ranks is: equal to rounding). The router is replicated, so
+    every rank routes every token alike and each pair is computed on exactly one rank."""
+
+    def __init__(self, experts: nn.Module, rank_experts: torch.Tensor) -> None:
+        super().__init__()
+        expert_map = torch.full((experts.num_experts,), -1, dtype=torch.int64, device=experts.down_proj.device)
+        expert_map[rank_experts] = torch.arange(len(rank_experts), device=expert_map.device)
+        self.register_buffer("expert_map", expert_map, persistent=False)
+        experts.gate_up_proj = nn.Parameter(experts.gate_up_proj[rank_experts], requires_grad=False)
+        experts.down_proj = nn.Parameter(experts.down_proj[rank_experts], requires_grad=False)
+        experts.num_experts = len(rank_experts)
+        self.local_experts = experts
+
+    def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x [T, H]; expert_ids, weights [T, k] (the whole routing) -> [T, H], the sum over this rank's pairs."""
+        local_ids = self.expert_map[expert_ids]
+        tokens, choices = (local_ids >= 0).nonzero(as_tuple=True)
+        out = torch.zeros_like(x)
+        # A decode step of a few tokens often leaves a rank without a pair (k of the E experts per token), and the
+        # students' forward need not handle an empty batch.
+        if len(tokens):
+            pairs_out = self.local_experts(x[tokens], local_ids[tokens, choices, None], weights[tokens, choices, None])
+            out.index_add_(0, tokens, pairs_out)
+        return out
+
+    def extra_repr(self) -> str:
+        local = (self.expert_map >= 0).nonzero().flatten()
+        return f"experts {local[0].item()}..{local[-1].item()} of {len(self.expert_map)}"
 
 
 def all_reduce_output(module: nn.Module, group: TPGroup) -> None:

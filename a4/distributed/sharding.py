@@ -15,9 +15,10 @@ students' forward code runs unchanged on a rank's share. Rank r of N keeps, for 
   and dt_bias by value head; the gated norm (per value head) whole; out_proj row-parallel. Its recurrent state
   holds its value heads.
 - the gated MLP: gate_proj and up_proj by intermediate row, down_proj row-parallel.
-- the mixture of experts: every expert split within, by intermediate row like the MLP (gate_up_proj's gate rows and
-  up rows, down_proj's columns), and the shared expert too; the router and the shared expert's gate whole; one
-  all-reduce of the block's output sums the routed experts' and the shared expert's partial sums at once.
+- the mixture of experts: expert parallelism for the routed experts, experts r*E/N .. (r+1)*E/N - 1 whole on rank
+  r, each rank computing the token-expert pairs routed to its experts (a4/distributed/layers.py); the shared expert
+  split within like the MLP; the router and the shared expert's gate whole. One all-reduce of the block's output
+  sums the routed experts' and the shared expert's partial sums at once.
 - the embedding and lm_head: vocabulary rows r*V/N .. (a tied lm_head shares the embedding's shard).
 - the MTP module: its decoder layer as any decoder layer; fc whole (its input is the replicated hidden state).
 Everything else (norms, RoPE, the router) is replicated.
@@ -34,6 +35,7 @@ from torch import nn
 
 from a4.distributed.group import TPGroup
 from a4.distributed.layers import (
+    ExpertParallelExperts,
     ParallelLMHead,
     RowParallelLinear,
     VocabParallelEmbedding,
@@ -50,7 +52,7 @@ def check_divisible(config: ModelConfig, world_size: int) -> None:
         raise ValueError(f"tensor_parallel_size must be a positive integer, got {world_size!r}")
     fields = ["num_attention_heads", "vocab_size"]
     if config.is_moe:
-        fields += ["moe_intermediate_size", "shared_expert_intermediate_size"]
+        fields += ["num_experts", "shared_expert_intermediate_size"]
     else:
         fields.append("intermediate_size")
     if config.is_hybrid:
@@ -72,7 +74,8 @@ def check_divisible(config: ModelConfig, world_size: int) -> None:
 
 def rank_model_config(config: ModelConfig, world_size: int) -> ModelConfig:
     """The shapes one rank holds, for its pools and memory ledger: heads and intermediate widths divided (KV heads
-    at least one, replicated), the vocabulary whole (every rank sees whole logits and whole token ids)."""
+    at least one, replicated), the routed experts divided (each whole: moe_intermediate_size stays), the vocabulary
+    whole (every rank sees whole logits and whole token ids)."""
     check_divisible(config, world_size)
 
     def split(value: int) -> int:
@@ -85,7 +88,7 @@ def rank_model_config(config: ModelConfig, world_size: int) -> ModelConfig:
         intermediate_size=split(config.intermediate_size),
         linear_num_key_heads=split(config.linear_num_key_heads),
         linear_num_value_heads=split(config.linear_num_value_heads),
-        moe_intermediate_size=split(config.moe_intermediate_size),
+        num_experts=split(config.num_experts),
         shared_expert_intermediate_size=split(config.shared_expert_intermediate_size),
     )
 
@@ -154,12 +157,7 @@ def shard_mlp(mlp: nn.Module, group: TPGroup, reduce: bool = True) -> None:
 
 
 def shard_sparse_moe(block: nn.Module, config: ModelConfig, group: TPGroup) -> None:
-    experts, width = block.experts, config.moe_intermediate_size
-    rows = rank_range(width, group)
-    # gate_up_proj [E, 2I, H]: the I gate rows, then the I up rows; the rank keeps its rows of each.
-    gate_up = experts.gate_up_proj[:, torch.cat([rows, width + rows])]
-    experts.gate_up_proj = nn.Parameter(gate_up.clone(), requires_grad=False)
-    experts.down_proj = nn.Parameter(experts.down_proj[:, :, rows].clone(), requires_grad=False)
+    block.experts = ExpertParallelExperts(block.experts, rank_range(config.num_experts, group))
     shard_mlp(block.shared_expert, group, reduce=False)
     # out = sum of routed experts + sigmoid(gate(x)) * shared(x): linear in the ranks' partial sums.
     all_reduce_output(block, group)
