@@ -4,7 +4,7 @@ its tokens against transformers' greedy generation (a4.reference.hf_greedy), flo
 Each rank's share of every layer sums to the unsplit layer only to rounding (a row-parallel layer adds its partial
 sums in another order), so the tokens are transformers' as long as no top-1 / top-2 logit gap is as small as that
 rounding, as for every other engine test on these checkpoints (their gaps: a4.checkpoints). Two ranks for every
-model and policy; four where the tiny shapes divide (Qwen3, and Qwen3.5 with four key heads). One LLM serves several
+model and policy; four where the tiny shapes divide (Qwen3, and Qwen3.5 and Qwen3.5-MoE with four key heads). One LLM serves several
 checks, to keep the spawned processes few. What each layer's share computes is tests/test_tensor_parallel_layers.py.
 """
 
@@ -64,12 +64,18 @@ def rank0_checkpoint_keys(llm: LLM) -> list[int]:
 
 
 @pytest.mark.parametrize(
-    "arch, size, field",
-    [("qwen3", 3, "num_attention_heads"), ("qwen3_5", 4, "linear_num_key_heads"), ("qwen3", 3, "vocab_size")],
+    "arch, overrides, size, field",
+    [
+        ("qwen3", {}, 3, "num_attention_heads"),
+        ("qwen3_5", {}, 4, "linear_num_key_heads"),
+        ("qwen3", {}, 3, "vocab_size"),
+        # Every other field of the tiny MoE checkpoint divides by two.
+        ("qwen3_5_moe", {"num_experts": 5}, 2, "num_experts"),
+    ],
 )
-def test_a_split_that_does_not_divide_names_the_field(arch, size, field):
-    with pytest.raises(ValueError, match=field):
-        LLM(tiny_checkpoint(arch), tensor_parallel_size=size)
+def test_a_split_that_does_not_divide_names_the_field(arch, overrides, size, field):
+    with pytest.raises(ValueError, match=f"{field} = "):
+        LLM(tiny_checkpoint(arch, **overrides), tensor_parallel_size=size)
 
 
 def test_tensor_parallel_size_must_be_a_positive_integer(qwen3_5):
@@ -178,10 +184,12 @@ def test_qwen3_5_four_ranks():
         assert_matches_transformers(llm, checkpoint, VARLEN[:2])
 
 
-def test_qwen3_5_moe():
-    checkpoint = tiny_checkpoint("qwen3_5_moe")
-    with LLM(checkpoint, tensor_parallel_size=2, **ENGINE) as llm:
-        assert_matches_transformers(llm, checkpoint, VARLEN)
+@pytest.mark.parametrize("size, overrides", [(2, {}), (4, {"linear_num_key_heads": 4})])
+def test_qwen3_5_moe(size, overrides):
+    # Expert parallelism: each rank runs the token-expert pairs routed to its 8 / size experts.
+    checkpoint = tiny_checkpoint("qwen3_5_moe", **overrides)
+    with LLM(checkpoint, tensor_parallel_size=size, **ENGINE) as llm:
+        assert_matches_transformers(llm, checkpoint, VARLEN if size == 2 else VARLEN[:2])
 
 
 # --- a worker that dies ---------------------------------------------------------------------------------------
