@@ -44,6 +44,10 @@ Overriding `vocab_size` moves every special token id (`*_token_id`) with the end
 keep them, so that eos stays a token the model can emit. An override of `rope_parameters` is merged into the
 preset's (transformers' own tests give no partial_rotary_factor, and transformers then takes 0.25, as the preset).
 
+One checkpoint is trained, not drawn: `tiny_checkpoint("qwen3_5", trained=True)` is the tiny Qwen3.5 that ships in
+`a4/trained/qwen3_5-tiny/` with its tokenizer, written by `python -m a4.train_tiny` (which takes its configs from
+`resolved_configs` and its unused vision tower from `random_tensors`).
+
 With `path=None` checkpoints are cached under `<repo>/.cache/checkpoints/<arch>-<preset>-<hash of all arguments>/`
 (`A4_CACHE_DIR` replaces `<repo>/.cache`). Writing goes to a temporary directory that is renamed into place, so two
 pytest workers building the same checkpoint at once both end up with one complete copy.

@@ -154,9 +154,9 @@ def arithmetic_document(rng: random.Random) -> str:
 def turn(rng: random.Random) -> tuple[str, str]:
     """One user request and the assistant's answer."""
     kind = rng.random()
-    if kind < 0.35:
+    if kind < 0.4:
         return fact(rng)
-    if kind < 0.65:
+    if kind < 0.7:
         return sum_question(rng)
     animal = rng.choice(list(ANIMALS))
     request = rng.choice((f"Tell me a story about {article(animal)} {animal}.", f"Write a short story about {article(animal)} {animal}."))
@@ -178,7 +178,7 @@ def chat_document(rng: random.Random) -> str:
     return system + "".join(message("user", q) + message("assistant", a) for q, a in turns)
 
 
-KINDS = ((story, 0.3), (facts_document, 0.15), (arithmetic_document, 0.15), (chat_document, 0.4))
+KINDS = ((story, 0.25), (facts_document, 0.1), (arithmetic_document, 0.15), (chat_document, 0.5))
 
 
 def documents(seed: int, count: int) -> list[str]:
@@ -188,6 +188,13 @@ def documents(seed: int, count: int) -> list[str]:
     return [rng.choices(writers, weights)[0](rng) for _ in range(count)]
 
 
-def chat_prompt(user: str) -> str:
-    """A one-turn chat as Qwen's template writes it, up to the assistant's answer (add_generation_prompt=True)."""
-    return message("user", user) + f"{IM_START}assistant\n"
+ASSISTANT_TURN = f"{IM_START}assistant\n"
+
+
+def prompt_of(document: str) -> str:
+    """The start of a document, for a model to continue: a chat up to where its first answer begins, any other
+    document up to the end of its first sentence or line."""
+    if ASSISTANT_TURN in document:
+        return document[: document.index(ASSISTANT_TURN) + len(ASSISTANT_TURN)]
+    ends = [i for i in (document.find(". "), document.find("\n")) if i >= 0]
+    return document[: min(ends) + 1] if ends else document
