@@ -27,6 +27,7 @@ from pathlib import Path
 from a4.core import Output, SamplingParams
 from a4.course.exercises import not_written_yet, stubs, unwritten_exercise
 from a4.dtypes import DTYPES
+from a4.tiny_corpus import SYSTEM_PROMPT
 
 ARCHS = ("qwen3", "qwen3_5", "qwen3_5_moe")
 DEFAULT_ARCH = "qwen3_5"
@@ -168,7 +169,7 @@ def run_demo(args: argparse.Namespace) -> int:
     return status
 
 
-DEMO_SYSTEM = {"role": "system", "content": "You are a helpful assistant."}
+DEMO_SYSTEM = {"role": "system", "content": SYSTEM_PROMPT}  # the one the trained model saw
 DEMO_CHATS = (
     [DEMO_SYSTEM, {"role": "user", "content": "What is the capital of France?"}],
     [DEMO_SYSTEM, {"role": "user", "content": "What is 7 plus 5?"}],

@@ -88,9 +88,9 @@ def test_tiny_checkpoint_trained_takes_no_overrides():
 
 
 def test_it_answers_in_text(tokenizer):
-    prompt = tokenizer.encode(chat_text(tokenizer, "What is the capital of France?"))
+    prompt = tokenizer.encode(chat_text(tokenizer, "What is 7 plus 5?"))
     [answer] = hf_greedy(CKPT, [prompt], NEW_TOKENS)
-    assert tokenizer.decode(answer) == "The capital of France is Paris.<|im_end|>"
+    assert tokenizer.decode(answer) == "7 plus 5 is 12.<|im_end|>"
 
 
 def test_one_prompt_alone_matches_transformers(prompts, expected):
