@@ -292,7 +292,10 @@ def run_generate(args: argparse.Namespace) -> int:
 
     if args.chat and not args.text:
         raise UsageError("--chat applies to --text prompts")
-    model_dir = tiny_checkpoint("qwen3_5", trained=True) if args.model_dir is None else model_dir_or_fail(args.model_dir)
+    if args.model_dir is None:
+        model_dir = tiny_checkpoint("qwen3_5", trained=True)
+    else:
+        model_dir = model_dir_or_fail(args.model_dir)
     tokenizer = load_tokenizer(model_dir) if args.text else None
     texts = [chat_text(tokenizer, text) for text in args.text] if args.chat else args.text
     prompts = [tokenizer.encode(text) for text in texts] if tokenizer else args.prompt
@@ -324,7 +327,8 @@ def chat_text(tokenizer, text: str) -> str:
     """`text` as a user's message in the tokenizer's chat template, up to where the assistant's answer begins."""
     if not tokenizer.chat_template:
         raise UsageError("--chat needs a tokenizer with a chat template, and this one has none")
-    return tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
+    messages = [{"role": "user", "content": text}]
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
 def load_tokenizer(model_dir: Path):

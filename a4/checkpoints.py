@@ -157,7 +157,9 @@ def _move_special_tokens(sections: list[dict[str, Any]], old_vocab: int, new_voc
         section[key] = moved if isinstance(section[key], list) else moved[0]
 
 
-def resolved_configs(arch: str, preset: str = "tiny", **text_config_overrides: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+def resolved_configs(
+    arch: str, preset: str = "tiny", **text_config_overrides: Any
+) -> tuple[dict[str, Any], dict[str, Any]]:
     """config.json and generation_config.json of a preset with these text-config overrides, derived fields followed
     (what make_checkpoint writes)."""
     return _apply_overrides(

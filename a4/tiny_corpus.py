@@ -123,10 +123,12 @@ def fact(rng: random.Random) -> tuple[str, str]:
         return f"What is the capital of {country}?", f"The capital of {country} is {CAPITALS[country]}."
     if kind == 1:
         animal = rng.choice(list(ANIMALS))
-        return f"What sound does {article(animal)} {animal} make?", f"{article(animal).capitalize()} {animal} says {ANIMALS[animal]}."
+        a = article(animal)
+        return f"What sound does {a} {animal} make?", f"{a.capitalize()} {animal} says {ANIMALS[animal]}."
     if kind == 2:
         fruit = rng.choice(list(FRUITS))
-        return f"What colour is {article(fruit)} {fruit}?", f"{article(fruit).capitalize()} {fruit} is {FRUITS[fruit]}."
+        a = article(fruit)
+        return f"What colour is {a} {fruit}?", f"{a.capitalize()} {fruit} is {FRUITS[fruit]}."
     if kind == 3:
         i = rng.randrange(len(DAYS))
         return f"What day comes after {DAYS[i]}?", f"After {DAYS[i]} comes {DAYS[(i + 1) % len(DAYS)]}."
@@ -159,7 +161,8 @@ def turn(rng: random.Random) -> tuple[str, str]:
     if kind < 0.7:
         return sum_question(rng)
     animal = rng.choice(list(ANIMALS))
-    request = rng.choice((f"Tell me a story about {article(animal)} {animal}.", f"Write a short story about {article(animal)} {animal}."))
+    a = article(animal)
+    request = rng.choice((f"Tell me a story about {a} {animal}.", f"Write a short story about {a} {animal}."))
     return request, story(rng, animal)
 
 
