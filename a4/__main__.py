@@ -1,11 +1,14 @@
 """The command line: `python -m a4 demo | generate | serve | bench`.
 
 - `demo`: a batch of requests with shared prefixes through the engine (chunked prefill and the prefix cache at work),
-  each request's tokens beside transformers' greedy tokens; exits non-zero if any request differs. Tiny Qwen3.5 by
-  default (`--arch qwen3` for the all-attention model); while Qwen3.5 still meets an exercise that is not written,
-  the default shows what already works (Qwen3) and names that exercise.
+  each request's output beside transformers' greedy output; exits non-zero if any request differs. By default the
+  trained tiny Qwen3.5 (a4/trained/qwen3_5-tiny, `python -m a4.train_tiny`), whose prompts and answers are text:
+  chats in Qwen's template and a story to continue. `--arch qwen3` / `qwen3_5_moe` build random-weight tiny
+  checkpoints, whose requests are random token ids. While Qwen3.5 still meets an exercise that is not written, the
+  default shows what already works (Qwen3) and names that exercise.
 - `generate`: continue prompts given as token ids (`--prompt "1 2 3"`) or as text (`--text`, when the checkpoint
-  directory has a tokenizer).
+  directory has a tokenizer; `--chat` wraps each text in the chat template as a user's message). The checkpoint is
+  the trained tiny Qwen3.5 unless `--model-dir` names another.
 - `serve`: an OpenAI-compatible HTTP server (a4/server) over the engine, whose options are its flags; by default
   the trained tiny Qwen3.5 and its tokenizer.
 - `bench <name>`: run a benchmark module of `a4.bench` (all of them without a name; those that cannot run on this
@@ -27,9 +30,12 @@ from a4.core import Output, SamplingParams
 from a4.course.exercises import not_written_yet, stubs, unwritten_exercise
 from a4.dtypes import DTYPES
 from a4.engine.config import HYBRID_PREFIX_POLICIES
+from a4.tiny_corpus import SYSTEM_PROMPT
 
 ARCHS = ("qwen3", "qwen3_5", "qwen3_5_moe")
 DEFAULT_ARCH = "qwen3_5"
+DEMO_TEXT_TOKENS = 48  # an answer, or a few sentences of a story
+DEMO_ID_TOKENS = 8
 DEFAULT_BENCH_OUT = Path("bench-out")
 # Options of one benchmark only: the option's name -> the benchmark that takes it.
 BENCH_OPTIONS = {"system": "gpu", "model_dir": "serve", "device": "serve", "base_url": "serve"}
@@ -62,17 +68,20 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--model-dir", type=Path, help="a local checkpoint instead of the tiny one")
     demo.add_argument("--dtype", choices=DTYPES, default="float32")
     demo.add_argument("--device", default="cpu")
-    demo.add_argument("--max-new-tokens", type=positive_int, default=8)
+    demo.add_argument(
+        "--max-new-tokens", type=positive_int, help=f"default: {DEMO_TEXT_TOKENS} for text, {DEMO_ID_TOKENS} for ids"
+    )
     demo.add_argument("--max-prefill-tokens", type=positive_int, default=16, help="small, so that prompts are chunked")
     demo.add_argument("--max-running-requests", type=positive_int, default=4)
     demo.add_argument("--page-size", type=positive_int, default=1)
     demo.set_defaults(run=run_demo)
 
     generate = commands.add_parser("generate", help="continue prompts")
-    generate.add_argument("--model-dir", type=Path, required=True)
+    generate.add_argument("--model-dir", type=Path, help="a checkpoint (default: the trained tiny Qwen3.5)")
     prompts = generate.add_mutually_exclusive_group(required=True)
     prompts.add_argument("--prompt", action="append", type=token_ids, help='token ids, e.g. "1 2 3" (repeatable)')
     prompts.add_argument("--text", action="append", help="text, tokenized by the checkpoint's tokenizer (repeatable)")
+    generate.add_argument("--chat", action="store_true", help="--text as a user's message in the chat template")
     generate.add_argument("--max-new-tokens", type=positive_int, default=16)
     generate.add_argument("--dtype", choices=DTYPES, default="float32")
     generate.add_argument("--device", default="cpu")
@@ -211,6 +220,29 @@ def run_demo(args: argparse.Namespace) -> int:
     return status
 
 
+DEMO_SYSTEM = {"role": "system", "content": SYSTEM_PROMPT}  # the one the trained model saw
+DEMO_CHATS = (
+    [DEMO_SYSTEM, {"role": "user", "content": "What is the capital of France?"}],
+    [DEMO_SYSTEM, {"role": "user", "content": "What is 7 plus 5?"}],
+    [DEMO_SYSTEM, {"role": "user", "content": "What sound does a cow make?"}],
+    [DEMO_SYSTEM, {"role": "user", "content": "Tell me a story about a fox."}],
+    [{"role": "user", "content": "Hello!"}],
+)
+DEMO_STORY = "Once upon a time, there was a brave little owl named Ada. Ada lived in a stone castle near the sea."
+
+
+def demo_texts(tokenizer) -> list[str]:
+    """Eight text prompts: four chats share a system prompt, one repeats another exactly, one continues another's
+    conversation, and a story to continue is longer than the demo's prefill budget (chunked)."""
+    def chat(messages: list[dict]) -> str:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+    follow_up = [
+        *DEMO_CHATS[1], {"role": "assistant", "content": "7 plus 5 is 12."}, {"role": "user", "content": "Thanks!"}
+    ]
+    return [*map(chat, DEMO_CHATS), DEMO_STORY, chat(DEMO_CHATS[0]), chat(follow_up)]
+
+
 def demo(args: argparse.Namespace, arch: str) -> int:
     from a4.checkpoints import tiny_checkpoint
     from a4.llm import LLM
@@ -218,8 +250,11 @@ def demo(args: argparse.Namespace, arch: str) -> int:
 
     if args.model_dir is not None:
         model_dir = model_dir_or_fail(args.model_dir)
+    elif arch == "qwen3_5":
+        model_dir = tiny_checkpoint(arch, trained=True)
+        print(f"the trained tiny Qwen3.5 ({model_dir}; written by `python -m a4.train_tiny`)", flush=True)
     else:
-        print(f"building (or reusing) the tiny {arch} checkpoint ...", flush=True)
+        print(f"building (or reusing) the tiny {arch} checkpoint (random weights) ...", flush=True)
         model_dir = tiny_checkpoint(arch)
     llm = LLM(
         model_dir,
@@ -230,19 +265,28 @@ def demo(args: argparse.Namespace, arch: str) -> int:
         page_size=args.page_size,
     )
     config = llm.engine.model_config
-    prompts = demo_prompts(config.vocab_size, config.eos_token_ids)
+    tokenizer = load_tokenizer(model_dir) if has_tokenizer(model_dir) else None
+    if tokenizer is None:
+        prompts = demo_prompts(config.vocab_size, config.eos_token_ids)
+        max_new_tokens = args.max_new_tokens or DEMO_ID_TOKENS
+    else:
+        prompts = [tokenizer.encode(text) for text in demo_texts(tokenizer)]
+        max_new_tokens = args.max_new_tokens or DEMO_TEXT_TOKENS
     print(f"model: {config.architecture} from {model_dir} ({args.dtype} on {args.device})")
     print(
-        f"{len(prompts)} requests, up to {args.max_new_tokens} new tokens each; max_prefill_tokens="
+        f"{len(prompts)} requests, up to {max_new_tokens} new tokens each; max_prefill_tokens="
         f"{args.max_prefill_tokens}, max_running_requests={args.max_running_requests}, page_size={args.page_size}, "
         f"prefix cache {'on' if llm.engine.prefix_cache_enabled else 'off'}\n"
     )
-    outputs = llm.generate(prompts, SamplingParams(max_new_tokens=args.max_new_tokens))
+    outputs = llm.generate(prompts, SamplingParams(max_new_tokens=max_new_tokens))
     print("running transformers (each prompt alone) for reference ...\n", flush=True)
-    expected = hf_greedy(model_dir, prompts, args.max_new_tokens, dtype=args.dtype)
+    expected = hf_greedy(model_dir, prompts, max_new_tokens, dtype=args.dtype)
 
     matches = [out.token_ids == ref for out, ref in zip(outputs, expected)]
-    print_comparison(prompts, outputs, expected, matches)
+    if tokenizer is None:
+        print_comparison(prompts, outputs, expected, matches)
+    else:
+        print_text_comparison(tokenizer, prompts, outputs, expected, matches)
     print("\nmemory plan")
     print("  " + llm.memory_plan.describe().replace("\n", "\n  "))
     stats = llm.stats
@@ -277,15 +321,35 @@ def print_comparison(
         )
 
 
+def print_text_comparison(
+    tokenizer, prompts: list[list[int]], outputs: list[Output], expected: list[list[int]], matches: list[bool]
+) -> None:
+    """A line per request (prompt and cached tokens, match), then its prompt and both answers as text; special
+    tokens are shown, so that the chat template and where each answer stopped can be read."""
+    print(f"{'req':>3} {'prompt':>6} {'cached':>6}  match")
+    for i, (prompt, out, ref) in enumerate(zip(prompts, outputs, expected)):
+        print(f"{i:>3} {len(prompt):>6} {out.cached_tokens:>6}  {'yes' if matches[i] else 'NO'}")
+        for label, ids in (("prompt", prompt), ("a4", out.token_ids), ("transformers", ref)):
+            print(f"      {label:<13} {tokenizer.decode(ids)!r}")
+
+
 # ---------------------------------------------------------------------------------------------------------- generate
 
 
 def run_generate(args: argparse.Namespace) -> int:
     from a4.llm import LLM
 
-    model_dir = model_dir_or_fail(args.model_dir)
+    from a4.checkpoints import tiny_checkpoint
+
+    if args.chat and not args.text:
+        raise UsageError("--chat applies to --text prompts")
+    if args.model_dir is None:
+        model_dir = tiny_checkpoint("qwen3_5", trained=True)
+    else:
+        model_dir = model_dir_or_fail(args.model_dir)
     tokenizer = load_tokenizer(model_dir) if args.text else None
-    prompts = [tokenizer.encode(text) for text in args.text] if tokenizer else args.prompt
+    texts = [chat_text(tokenizer, text) for text in args.text] if args.chat else args.text
+    prompts = [tokenizer.encode(text) for text in texts] if tokenizer else args.prompt
     params = SamplingParams(
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
         seed=args.seed,
@@ -306,12 +370,24 @@ def run_generate(args: argparse.Namespace) -> int:
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
+def has_tokenizer(model_dir: Path) -> bool:
+    return any((model_dir / name).exists() for name in TOKENIZER_FILES)
+
+
+def chat_text(tokenizer, text: str) -> str:
+    """`text` as a user's message in the tokenizer's chat template, up to where the assistant's answer begins."""
+    if not tokenizer.chat_template:
+        raise UsageError("--chat needs a tokenizer with a chat template, and this one has none")
+    messages = [{"role": "user", "content": text}]
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
 def load_tokenizer(model_dir: Path, needed_by: str = "--text", alternative: str = "use --prompt"):
     from transformers import AutoTokenizer
 
     # Checked first: without any tokenizer file, transformers 5 quietly builds an empty tokenizer from the model
     # type, which would turn every text into an empty prompt.
-    if not any((model_dir / name).exists() for name in TOKENIZER_FILES):
+    if not has_tokenizer(model_dir):
         raise UsageError(
             f"{needed_by} needs a tokenizer, and {model_dir} has none ({', '.join(TOKENIZER_FILES)}); {alternative}"
         )

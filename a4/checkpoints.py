@@ -44,6 +44,10 @@ Overriding `vocab_size` moves every special token id (`*_token_id`) with the end
 keep them, so that eos stays a token the model can emit. An override of `rope_parameters` is merged into the
 preset's (transformers' own tests give no partial_rotary_factor, and transformers then takes 0.25, as the preset).
 
+One checkpoint is trained, not drawn: `tiny_checkpoint("qwen3_5", trained=True)` is the tiny Qwen3.5 that ships in
+`a4/trained/qwen3_5-tiny/` with its tokenizer, written by `python -m a4.train_tiny` (which takes its configs from
+`resolved_configs` and its unused vision tower from `random_tensors`).
+
 With `path=None` checkpoints are cached under `<repo>/.cache/checkpoints/<arch>-<preset>-<hash of all arguments>/`
 (`A4_CACHE_DIR` replaces `<repo>/.cache`). Writing goes to a temporary directory that is renamed into place, so two
 pytest workers building the same checkpoint at once both end up with one complete copy.
@@ -68,6 +72,8 @@ from safetensors.torch import save_file
 from a4._overlay import REPO_ROOT
 
 PRESETS_DIR = Path(__file__).resolve().parent / "presets"
+# The trained tiny Qwen3.5 that ships with the package (written by a4/train_tiny.py).
+TRAINED_DIR = Path(__file__).resolve().parent / "trained" / "qwen3_5-tiny"
 # Bump when the weights or layout this module writes change, so that stale cached checkpoints are not reused.
 FORMAT_VERSION = 3
 # Largest shard written; the factory also splits small checkpoints in two, so every checkpoint has an index.
@@ -149,6 +155,16 @@ def _move_special_tokens(sections: list[dict[str, Any]], old_vocab: int, new_voc
     for section, key in special:
         moved = [i + new_vocab - old_vocab for i in _id_list(section[key])]
         section[key] = moved if isinstance(section[key], list) else moved[0]
+
+
+def resolved_configs(
+    arch: str, preset: str = "tiny", **text_config_overrides: Any
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """config.json and generation_config.json of a preset with these text-config overrides, derived fields followed
+    (what make_checkpoint writes)."""
+    return _apply_overrides(
+        arch, preset_config(arch, preset), preset_generation_config(arch, preset), text_config_overrides
+    )
 
 
 def _apply_overrides(
@@ -393,6 +409,11 @@ def _draw(spec: TensorSpec, seed: int) -> torch.Tensor:
     return spec.init(gen, spec.shape).to(STORAGE_DTYPE)
 
 
+def random_tensors(arch: str, config: dict[str, Any], seed: int, prefix: str = "") -> dict[str, torch.Tensor]:
+    """The random tensors of a checkpoint of `arch` whose names start with `prefix`, as make_checkpoint draws them."""
+    return {spec.name: _draw(spec, seed) for spec in tensor_plan(arch, config) if spec.name.startswith(prefix)}
+
+
 # ------------------------------------------------------------------------------------------------------------ write
 
 
@@ -457,9 +478,7 @@ def make_checkpoint(
     verify: run the quality check in transformers after writing, moving on to seed + 1, + 2, ... while it fails;
         default: only for the tiny preset.
     """
-    config, generation = _apply_overrides(
-        arch, preset_config(arch, preset), preset_generation_config(arch, preset), text_config_overrides
-    )
+    config, generation = resolved_configs(arch, preset, **text_config_overrides)
     verify = preset == "tiny" if verify is None else verify
     if path is None:
         key = _cache_key(
@@ -494,9 +513,21 @@ def make_checkpoint(
     return target
 
 
-def tiny_checkpoint(arch: str, **text_config_overrides: Any) -> Path:
-    """The cached tiny checkpoint of `arch` (seed 0) with these overrides: what tests use."""
-    return make_checkpoint(None, arch, **text_config_overrides)
+def tiny_checkpoint(arch: str, trained: bool = False, **text_config_overrides: Any) -> Path:
+    """The cached tiny checkpoint of `arch` (seed 0) with these overrides: what tests use.
+
+    trained=True: the trained tiny Qwen3.5 that ships in the package (a4/trained/qwen3_5-tiny, written by
+    `python -m a4.train_tiny`), with its tokenizer; it has no overrides.
+    """
+    if not trained:
+        return make_checkpoint(None, arch, **text_config_overrides)
+    if arch != "qwen3_5" or text_config_overrides:
+        raise CheckpointError(
+            f"the trained tiny checkpoint is qwen3_5 without overrides (asked: {arch} with {text_config_overrides})"
+        )
+    if not (TRAINED_DIR / "config.json").exists():
+        raise CheckpointError(f"{TRAINED_DIR} is missing: run `python -m a4.train_tiny` to write it")
+    return TRAINED_DIR
 
 
 # ---------------------------------------------------------------------------------------------------- quality check

@@ -20,7 +20,6 @@ from hypothesis import settings
 from a4._overlay import REPO_ROOT
 from a4.checkpoints import tiny_checkpoint
 from a4.course.exercises import exercise_named_in, not_written_yet, unwritten_exercise
-from chat_checkpoint import write_chat_checkpoint
 
 # The suite runs in two pytest-xdist workers on two cores. Two OpenMP threads per worker oversubscribe the cores,
 # and small ops then wait on spinning threads: tiny-model forwards measured 10-20x slower than with one thread.
@@ -53,10 +52,9 @@ def tiny_qwen3_5_moe():
 
 
 @pytest.fixture(scope="session")
-def chat_model_dir(tmp_path_factory):
-    """A tiny Qwen3.5 with a tokenizer and Qwen's chat template, for the server and its benchmark: the random tiny
-    checkpoint with a tokenizer trained here (tests/chat_checkpoint.py), until the trained one replaces it."""
-    return write_chat_checkpoint(tmp_path_factory.mktemp("chat") / "qwen3_5-chat")
+def chat_model_dir():
+    """The trained tiny Qwen3.5, with its tokenizer and Qwen's chat template: the server's and its benchmark's."""
+    return tiny_checkpoint("qwen3_5", trained=True)
 
 
 @pytest.fixture

@@ -110,17 +110,20 @@ def test_spec_report_is_complete_and_consistent(tmp_path, capsys):
 
     # The MTP's acceptance on the held-out prompts: each request decodes all its tokens but the prefill's, gaining
     # its accepted drafts plus the model's own token per step.
-    acceptance = report["mtp"]["acceptance"]
-    assert list(acceptance) == [str(k) for k in spec.SPECULATIVE_TOKENS]
-    for k, a in acceptance.items():
-        assert a["decode_tokens"] == len(workload.acceptance_lens) * (workload.acceptance_new_tokens - 1)
-        assert a["decode_tokens"] == a["decode_request_steps"] + a["accepted_draft_tokens"]
-        assert 0 <= a["acceptance_rate"] == a["accepted_draft_tokens"] / a["draft_tokens"] <= 1
-        assert 1 <= a["tokens_per_decode_step"] <= int(k) + 1
+    # Both tiny checkpoints: the random one and the trained one.
+    for key in spec.MTP_PARTS:
+        acceptance = report[key]["acceptance"]
+        assert list(acceptance) == [str(k) for k in spec.SPECULATIVE_TOKENS]
+        for k, a in acceptance.items():
+            assert a["decode_tokens"] == len(workload.acceptance_lens) * (workload.acceptance_new_tokens - 1)
+            assert a["decode_tokens"] == a["decode_request_steps"] + a["accepted_draft_tokens"]
+            assert 0 <= a["acceptance_rate"] == a["accepted_draft_tokens"] / a["draft_tokens"] <= 1
+            assert 1 <= a["tokens_per_decode_step"] <= int(k) + 1
 
     mtp_systems = [spec.NO_SPECULATION] + [f"k={k}" for k in spec.SPECULATIVE_TOKENS]
     oracle_systems = [spec.NO_SPECULATION, *spec.ORACLE_SYSTEMS, spec.MTP_SYSTEM]
     parts = ((report["mtp"], mtp_systems, workload.mtp_new_tokens),
+             (report["mtp_trained"], mtp_systems, workload.mtp_new_tokens),
              (report["oracle"], oracle_systems, workload.oracle_new_tokens))  # fmt: skip
     for part, names, new_tokens in parts:
         assert [row["batch"] for row in part["decode"]] == list(spec.BATCHES)

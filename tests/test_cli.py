@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from a4.__main__ import main
+from a4.__main__ import chat_text, load_tokenizer, main
 from a4.checkpoints import tiny_checkpoint
 from a4.reference import hf_greedy
 
@@ -68,6 +68,21 @@ def test_text_without_a_tokenizer_is_a_clear_error(capsys):
     ckpt = tiny_checkpoint("qwen3")
     assert main(["generate", "--model-dir", str(ckpt), "--text", "hello"]) == 2
     assert "needs a tokenizer" in capsys.readouterr().err
+
+
+def test_generate_chats_with_the_trained_checkpoint_by_default(capsys):
+    assert main(["generate", "--chat", "--text", "What is 3 plus 4?", "--max-new-tokens", "12"]) == 0
+    out = capsys.readouterr().out
+    # The answer's text, from transformers' greedy tokens, must be what a4 printed.
+    tokenizer = load_tokenizer(tiny_checkpoint("qwen3_5", trained=True))
+    prompt = tokenizer.encode(chat_text(tokenizer, "What is 3 plus 4?"))
+    [expected] = hf_greedy(tiny_checkpoint("qwen3_5", trained=True), [prompt], 12)
+    assert f"-> {tokenizer.decode(expected)!r}" in out and "(eos)" in out
+
+
+def test_chat_without_text_is_a_clear_error(capsys):
+    assert main(["generate", "--chat", "--prompt", "1 2"]) == 2
+    assert "--chat applies to --text" in capsys.readouterr().err
 
 
 def test_bench_dispatches_to_the_named_module(monkeypatch, tmp_path, capsys):

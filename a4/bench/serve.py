@@ -38,7 +38,6 @@ import httpx
 from tqdm import tqdm
 
 from a4._overlay import REPO_ROOT
-from a4.bench import Unavailable
 
 PERCENTILES = (50, 90, 99)
 SERVER_START_SECONDS = 600  # a real checkpoint on a GPU loads and captures its graphs first
@@ -260,16 +259,6 @@ def started_server(model_dir: Path | None, device: str | None):
             process.wait()
 
 
-def default_model_available(model_dir: Path | None, base_url: str | None) -> None:
-    from a4.server.launch import NoDefaultModel, default_model_dir
-
-    if model_dir is None and base_url is None:
-        try:
-            default_model_dir()
-        except NoDefaultModel as e:
-            raise Unavailable(str(e)) from None
-
-
 # -------------------------------------------------------------------------------------------------------- report
 
 
@@ -324,7 +313,6 @@ def main(
     """Measure, print the table, write serve.json and serve.png into out_dir (when given); returns the JSON."""
     if base_url is not None and (model_dir is not None or device is not None):
         raise ValueError("--base-url measures a running server: --model-dir and --device are the server's options")
-    default_model_available(model_dir, base_url)
     workload = Workload.quick() if quick else Workload.full()
     rng = random.Random(workload.seed)
     with started_server(model_dir, device) if base_url is None else nullcontext(base_url.rstrip("/")) as url:

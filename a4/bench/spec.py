@@ -1,10 +1,13 @@
 """Benchmark: speculative decoding (notebook 11), what it gains and what it costs, each ratio measured in one run.
 
 Three parts:
-- MTP drafts, on the tiny Qwen3.5 checkpoint with its own multi-token-prediction module (`LLM(model_dir,
-  speculative_tokens=k)`, float32): the acceptance rate and the tokens a request gains per decode step for k = 1, 2, 3
-  on held-out random prompts, then decode tokens/s at batch 1 and 8, k = 1, 2, 3 beside no speculation. The figures
-  are whatever the checkpoint's MTP module achieves (random MTP weights draft nonsense: acceptance ~0).
+- MTP drafts, each checkpoint with its own multi-token-prediction module (`LLM(model_dir, speculative_tokens=k)`,
+  float32): the acceptance rate and the tokens a request gains per decode step for k = 1, 2, 3 on held-out prompts,
+  then decode tokens/s at batch 1 and 8, k = 1, 2, 3 beside no speculation. Two checkpoints: the random-weight tiny
+  Qwen3.5, on random token prompts (random MTP weights draft nonsense: acceptance ~0), and the trained tiny Qwen3.5
+  (a4/trained, `python -m a4.train_tiny`), on the starts of held-out documents of its corpus (chats up to their first
+  answer, stories and facts after their first sentence; a4/tiny_corpus.py, a seed of their own). Past an answer's
+  end the trained model goes on as in training, with more documents.
 - Forced acceptance, at Qwen3.5-0.8B's shapes (random weights, float32): an `OracleDrafter` makes k = 2 drafts per
   request per step of which the first 0, 1 or 2 are right, i.e. 0%, 50% or 100% accepted, every step alike; decode
   tokens/s at batch 1 and 8 beside no speculation. k = 2 rather than 4 (with 0, 2, 4 right): the same three rates, and a
@@ -60,6 +63,7 @@ MEMORY_PART_BUDGET = 256 << 20  # the memory part's own pools: small, beside one
 ORACLE_CONTEXT = 1024
 WARM_UP_TOKENS = 3  # each system's untimed run: a prefill and two decode steps, with drafts
 ACCEPTANCE_SEED = 1013  # the held-out prompts: a seed of their own
+MTP_PARTS = {"mtp": "random", "mtp_trained": "trained"}  # report key -> mtp_part's tiny checkpoint
 
 
 @dataclass(frozen=True)
@@ -140,18 +144,43 @@ def timed_prompts(model_dir: Path, workload: Workload) -> list[list[int]]:
     return random_prompts((workload.prompt_len,) * max(BATCHES), config.vocab_size, config.eos_token_ids, seed=0)
 
 
-def mtp_part(workload: Workload) -> dict:
-    """The tiny checkpoint's own MTP drafts: acceptance on held-out prompts, then decode speed beside no speculation."""
-    from a4 import SamplingParams
+def random_checkpoint_prompts(workload: Workload) -> tuple[Path, list[list[int]], list[list[int]]]:
+    """The random-weight tiny checkpoint, its held-out prompts (random tokens) and its timed prompts."""
     from a4.checkpoints import tiny_checkpoint
 
     model_dir = tiny_checkpoint("qwen3_5")
     config = load_model_config(model_dir)
+    held_out = random_prompts(workload.acceptance_lens, config.vocab_size, config.eos_token_ids, seed=ACCEPTANCE_SEED)
+    return model_dir, held_out, timed_prompts(model_dir, workload)
+
+
+def trained_checkpoint_prompts(workload: Workload) -> tuple[Path, list[list[int]], list[list[int]]]:
+    """The trained tiny checkpoint, the starts of held-out documents of its corpus as its held-out prompts (as many
+    as the random checkpoint's), and the next max(BATCHES) of them as its timed prompts."""
+    from tokenizers import Tokenizer
+
+    from a4 import tiny_corpus
+    from a4.checkpoints import tiny_checkpoint
+
+    model_dir = tiny_checkpoint("qwen3_5", trained=True)
+    tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    count = len(workload.acceptance_lens)
+    documents = tiny_corpus.documents(ACCEPTANCE_SEED, count + max(BATCHES))
+    prompts = [tokenizer.encode(tiny_corpus.prompt_of(document)).ids for document in documents]
+    return model_dir, prompts[:count], prompts[count:]
+
+
+def mtp_part(workload: Workload, checkpoint: str) -> dict:
+    """A checkpoint's own MTP drafts: acceptance on held-out prompts, then decode speed beside no speculation.
+    checkpoint: "random" or "trained" (the tiny Qwen3.5 checkpoints)."""
+    from a4 import SamplingParams
+
+    prompts_of = {"random": random_checkpoint_prompts, "trained": trained_checkpoint_prompts}[checkpoint]
+    model_dir, held_out, prompts = prompts_of(workload)
     runners = {
         k: A4Runner(model_dir, TIMING_DTYPE, max_prefill_tokens=512, speculative_tokens=k)
         for k in (0, *SPECULATIVE_TOKENS)
     }
-    held_out = random_prompts(workload.acceptance_lens, config.vocab_size, config.eos_token_ids, seed=ACCEPTANCE_SEED)
     acceptance = {}
     for k in SPECULATIVE_TOKENS:
         engine = runners[k].llm.engine
@@ -165,9 +194,8 @@ def mtp_part(workload: Workload) -> dict:
             **asdict(stats),
         }
     systems = {NO_SPECULATION if k == 0 else f"k={k}": System(runner) for k, runner in runners.items()}
-    prompts = timed_prompts(model_dir, workload)
     return {
-        "shapes": "Qwen3.5-tiny",
+        "shapes": "Qwen3.5-tiny" if checkpoint == "random" else "Qwen3.5-tiny, trained",
         "checkpoint": model_dir.name,
         "dtype": TIMING_DTYPE,
         "held_out_prompts": len(held_out),
@@ -320,18 +348,25 @@ def draw_decode(part: dict, ax, title: str) -> None:
 
 
 def draw(report: dict, axes) -> None:
-    """The four panels: MTP acceptance, MTP decode speed, oracle decode speed, memory per slot."""
-    acceptance_ax, mtp_ax, oracle_ax, memory_ax = axes
-    mtp = report["mtp"]
-    ks = list(mtp["acceptance"])
-    bars = acceptance_ax.bar([f"k={k}" for k in ks], [mtp["acceptance"][k]["acceptance_rate"] for k in ks])
-    acceptance_ax.bar_label(
-        bars, [f"{mtp['acceptance'][k]['tokens_per_decode_step']:.2f} tokens/step" for k in ks], fontsize=7
-    )
+    """The five panels: MTP acceptance of both checkpoints, MTP decode speed of each, oracle decode speed, memory
+    per slot."""
+    acceptance_ax, *mtp_axes, oracle_ax, memory_ax = axes
+    width = 0.8 / len(MTP_PARTS)
+    for i, key in enumerate(MTP_PARTS):
+        mtp = report[key]
+        ks = list(mtp["acceptance"])
+        xs = [x + (i - (len(MTP_PARTS) - 1) / 2) * width for x in range(len(ks))]
+        bars = acceptance_ax.bar(xs, [mtp["acceptance"][k]["acceptance_rate"] for k in ks], width, label=mtp["shapes"])
+        acceptance_ax.bar_label(
+            bars, [f"{mtp['acceptance'][k]['tokens_per_decode_step']:.2f}" for k in ks], fontsize=7
+        )
+        acceptance_ax.set_xticks(range(len(ks)), [f"k={k}" for k in ks])
     acceptance_ax.set_ylim(0, 1.1)
     acceptance_ax.set_ylabel("acceptance rate")
-    acceptance_ax.set_title(f"MTP drafts, {mtp['shapes']}: held-out prompts", loc="left", fontsize=10)
-    draw_decode(mtp, mtp_ax, f"MTP drafts, {mtp['shapes']} (labels: vs no speculation)")
+    acceptance_ax.set_title("MTP drafts: held-out prompts (labels: tokens per step)", loc="left", fontsize=10)
+    acceptance_ax.legend(fontsize=7)
+    for key, ax in zip(MTP_PARTS, mtp_axes):
+        draw_decode(report[key], ax, f"MTP drafts, {report[key]['shapes']} (labels: vs no speculation)")
     oracle = report["oracle"]
     draw_decode(oracle, oracle_ax, f"oracle and MTP drafts, {oracle['shapes']} shapes (labels: vs no speculation)")
 
@@ -364,8 +399,9 @@ def plot(report: dict, path: Path) -> None:
     matplotlib.use("Agg")  # files only, no display
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, 2, figsize=(12, 8))
-    draw(report, axes.flat)
+    fig, axes = plt.subplots(3, 2, figsize=(12, 12))
+    draw(report, axes.flat[:5])
+    axes.flat[5].axis("off")
     fig.suptitle(f"speculative decoding on CPU ({report['threads']} threads)", fontsize=11)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -385,9 +421,10 @@ def main(quick: bool = False, out_dir: Path | None = None) -> dict:
         "statistic": "decode tokens/s: tokens gained per decode step / the median decode step, over the runs after "
         "an untimed one, the systems of a part taking turns",
     }
-    report["mtp"] = mtp_part(workload)
-    print_mtp(report["mtp"], threads, workload.acceptance_new_tokens)
-    gc.collect()  # each part's engines go before the next part's are built
+    for key, checkpoint in MTP_PARTS.items():
+        report[key] = mtp_part(workload, checkpoint)
+        print_mtp(report[key], threads, workload.acceptance_new_tokens)
+        gc.collect()  # each part's engines go before the next part's are built
     report["oracle"] = oracle_part(workload)
     print_oracle(report["oracle"])
     gc.collect()

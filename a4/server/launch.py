@@ -9,7 +9,6 @@ SHUTDOWN_GRACE_SECONDS is cancelled.
 from __future__ import annotations
 
 import asyncio
-import inspect
 import signal
 from pathlib import Path
 from typing import Any
@@ -26,19 +25,10 @@ DEFAULT_MAX_QUEUED_REQUESTS = 128
 SHUTDOWN_GRACE_SECONDS = 5
 
 
-class NoDefaultModel(ValueError):
-    """The default model (the trained tiny Qwen3.5) is not there: a model directory must be given."""
-
-
 def default_model_dir() -> Path:
     """The trained tiny Qwen3.5, which has a tokenizer and a chat template (the random tiny checkpoints have none)."""
     from a4.checkpoints import tiny_checkpoint
 
-    if "trained" not in inspect.signature(tiny_checkpoint).parameters:
-        raise NoDefaultModel(
-            "this a4 has no trained tiny Qwen3.5 yet (tiny_checkpoint('qwen3_5', trained=True)), the default model: "
-            "give --model-dir DIR, a checkpoint directory with its tokenizer"
-        )
     return tiny_checkpoint("qwen3_5", trained=True)
 
 
