@@ -31,7 +31,7 @@ from a4.server.launch import Server, build_app
 
 REPO = Path(__file__).resolve().parent.parent
 WAIT_SECONDS = 60  # bound on any wait: server start, a slot freed, a process exit
-MODEL = "qwen3_5-chat"  # the name the server gives the model: its directory's
+MODEL = "qwen3_5-tiny"  # the name the server gives the model: its directory's
 
 
 @contextmanager
