@@ -53,4 +53,4 @@ def gdn_rank_share(config: ModelConfig, rank: int, world_size: int) -> GDNShare:
       then v's;
     - value_channels: value head j's channels of the value dim, j*dv .. j*dv + dv - 1, for each of its value heads.
     """
-    raise NotImplementedError("Exercise tp-gdn-split: rank r's key heads, the value heads that read them, their rows and channels (notebooks/13_tensor_parallel.ipynb)")
+    raise NotImplementedError("Exercise tp-gdn-split: rank r's key heads, the value heads reading them, their channels (notebooks/13_tensor_parallel.ipynb)")

@@ -30,7 +30,12 @@ from a4.course.checks.gpu import GDNShapes, gdn_shapes
 from a4.course.checks.state_pool import MAX_NEW_TOKENS, reference_tokens, shared_prompts, token_problems
 from a4.course.exercises import exercise_named_in
 from a4.distributed.group import TPGroup, run_ranks
+from a4.distributed.sharding import rank_model_config, shard_model
+from a4.engine.factories import create_state_pool
+from a4.engine.forward_batch import build_forward_batch
 from a4.models.config import LINEAR_ATTENTION, ModelConfig
+from a4.models.qwen3_5 import pool_layer_of
+from a4.models.registry import load_model
 
 F32 = torch.float32
 # A layer no preset has: three value heads per key head, dk != dv (a split that mixes them up shows here).
@@ -93,6 +98,7 @@ def qkv_channel_name(channel: int, shapes: GDNShapes) -> str:
 
 
 def share_problems(label: str, share: object, expected: dict[str, list[int]], shapes: GDNShapes) -> list[str]:
+    """How a rank's share differs from `expected` (naive_split's), one problem per wrong field."""
     problems = []
     for name in FIELDS:
         got = getattr(share, name, None)
@@ -115,11 +121,16 @@ def value_heads_apart(gdn_rank_share: Callable) -> bool:
     """Whether the split puts a value head on another rank than the key head it reads (three value heads per key
     head, rank 1 of 2)."""
     share = gdn_rank_share(split_config(UNEVEN), 1, 2)
+    key_heads, value_heads = getattr(share, "key_heads", None), getattr(share, "value_heads", None)
+    if not (isinstance(key_heads, torch.Tensor) and isinstance(value_heads, torch.Tensor)):
+        return False
     group = UNEVEN.value_heads // UNEVEN.key_heads
-    return any(j // group not in share.key_heads.tolist() for j in share.value_heads.tolist())
+    return any(j // group not in key_heads.tolist() for j in value_heads.tolist())
 
 
 def check_gdn_split(gdn_rank_share: Callable) -> None:
+    """Every rank's share of every SPLIT_CASES layer, over every world size that divides its heads, against
+    `naive_split`."""
     problems, splits = [], 0
     for case, shapes in SPLIT_CASES.items():
         config = split_config(shapes)
@@ -134,9 +145,9 @@ def check_gdn_split(gdn_rank_share: Callable) -> None:
     likely = None
     if problems and value_heads_apart(gdn_rank_share):
         likely = ("a value head sits on another rank than the key head it reads: value head j reads key head "
-                  "j // (Hv / Hk), so a rank's value heads are the consecutive groups of its own key heads")  # fmt: skip
-    conclude(problems, f"{splits} rank shares of {len(SPLIT_CASES)} GDN shapes equal to the head-by-head split",
-             likely)  # fmt: skip
+                  "j // (Hv / Hk), so a rank's value heads are the consecutive groups of its own key heads")
+    success = f"{splits} rank shares of {len(SPLIT_CASES)} GDN shapes equal to the head-by-head split"
+    conclude(problems, success, likely)
 
 
 # ------------------------------------------------------------------------------------- the layer on two gloo ranks
@@ -156,8 +167,6 @@ def on_ranks(fn: Callable, world_size: int, *args) -> list:
 
 def state_pool_step(mode: ForwardMode, prefix_lens: list[int], extend_lens: list[int], pool):
     """The ForwardBatch of two requests in slots 0 and 1 over a GDN state pool (the layer check needs no KV)."""
-    from a4.engine.forward_batch import build_forward_batch
-
     tokens = sum(extend_lens)
     table = torch.arange(2 * TABLE_ROW).view(2, TABLE_ROW)
     return build_forward_batch(mode, input_ids=[0] * tokens, slots=[0, 1], prefix_lens=prefix_lens,
@@ -166,6 +175,7 @@ def state_pool_step(mode: ForwardMode, prefix_lens: list[int], extend_lens: list
 
 
 def gdn_shapes_of(config: ModelConfig) -> GDNShapes:
+    """The GDN shapes of a ModelConfig, as `naive_split` takes them."""
     return GDNShapes(config.linear_num_key_heads, config.linear_num_value_heads, config.linear_key_head_dim,
                      config.linear_value_head_dim, config.linear_conv_kernel_dim,
                      len(config.linear_attention_layers))  # fmt: skip
@@ -174,11 +184,6 @@ def gdn_shapes_of(config: ModelConfig) -> GDNShapes:
 def gdn_layers_agree(group: TPGroup, checkpoint: str) -> list[str]:
     """On one rank: every GDN layer of the checkpoint whole and as this rank's share, a prefill then a decode step;
     what differs, in words."""
-    from a4.distributed.sharding import rank_model_config, shard_model
-    from a4.engine.factories import create_state_pool
-    from a4.models.qwen3_5 import pool_layer_of
-    from a4.models.registry import load_model
-
     config, whole, _ = load_model(checkpoint, dtype=F32, device="cpu", progress=False)
     _, share, _ = load_model(checkpoint, dtype=F32, device="cpu", progress=False,
                              shard=partial(shard_model, group=group))  # fmt: skip
@@ -205,9 +210,7 @@ def gdn_layers_agree(group: TPGroup, checkpoint: str) -> list[str]:
         conv = {name: pool.conv_state(k) for name, pool in pools.items()}
         recurrent = {name: pool.recurrent_state(k) for name, pool in pools.items()}
         # The conv state is a copy of the share's own in_proj_qkv rows: the same products, so the same values.
-        if conv["share"].shape != conv["whole"][:, channels].shape or not torch.equal(
-            conv["share"], conv["whole"][:, channels]
-        ):
+        if not torch.equal(conv["share"], conv["whole"][:, channels]):
             problems.append(f"{where}: GDN layer {k}'s conv state is not the whole layer's at the rank's channels")
         problems += compare(f"{where}: GDN layer {k}'s recurrent state at the rank's value heads",
                             recurrent["share"], recurrent["whole"][:, value_heads], allowed)  # fmt: skip
@@ -215,18 +218,14 @@ def gdn_layers_agree(group: TPGroup, checkpoint: str) -> list[str]:
 
 
 def check_gdn_layer_split(gdn_rank_share: Callable, checkpoint: str | Path) -> None:
-    # The split here first: an unwritten one stops the check before any rank starts.
-    from a4.models.config import load_model_config
-
-    config = load_model_config(checkpoint)
-    for rank in range(LAYER_RANKS):
-        gdn_rank_share(config, rank, LAYER_RANKS)
+    """`gdn_layers_agree` on LAYER_RANKS gloo ranks, every rank's problems together."""
+    # The split alone first, in this process: an unwritten one is named before any rank starts.
+    gdn_rank_share(split_config(UNEVEN), 0, LAYER_RANKS)
     problems = [p for rank_problems in on_ranks(gdn_layers_agree, LAYER_RANKS, str(checkpoint)) for p in rank_problems]
     conclude(
         problems,
-        f"the {len(config.linear_attention_layers)} GDN layers of the tiny Qwen3.5 on {LAYER_RANKS} gloo ranks: "
-        "each rank's share, summed over the ranks, gives the whole layer's output; its states are the whole "
-        "layer's at its channels and value heads",
+        f"every GDN layer on {LAYER_RANKS} gloo ranks, a prefill and a decode step: each rank's share, summed over "
+        "the ranks, gives the whole layer's output; its states are the whole layer's at its channels and value heads",
     )
 
 

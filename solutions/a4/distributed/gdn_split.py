@@ -50,7 +50,7 @@ def gdn_rank_share(config: ModelConfig, rank: int, world_size: int) -> GDNShare:
       then v's;
     - value_channels: value head j's channels of the value dim, j*dv .. j*dv + dv - 1, for each of its value heads.
     """
-    # BEGIN SOLUTION tp-gdn-split 13_tensor_parallel: rank r's key heads, the value heads that read them, their rows and channels
+    # BEGIN SOLUTION tp-gdn-split 13_tensor_parallel: rank r's key heads, the value heads reading them, their channels
     key_heads_per_rank = config.linear_num_key_heads // world_size
     key_heads = torch.arange(rank * key_heads_per_rank, (rank + 1) * key_heads_per_rank)
     group = config.linear_num_value_heads // config.linear_num_key_heads
