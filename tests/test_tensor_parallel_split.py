@@ -21,7 +21,7 @@ def test_split_matches_the_head_by_head_split():
     checks.check_gdn_split(gdn_rank_share)
 
 
-def test_each_rank_s_layers_sum_to_the_whole_layer_on_two_ranks():
+def test_the_ranks_shares_sum_to_every_gdn_layer_on_two_ranks():
     checks.check_gdn_layer_split(gdn_rank_share, tiny_checkpoint("qwen3_5"))
 
 
