@@ -82,6 +82,8 @@ CONFIGURATIONS = {
     "qwen3_5 cuda_graphs=True": Configuration("qwen3_5", {**ENGINE, "cuda_graphs": True}),
     # Speculative decoding (notebook 11): 2 drafts per step, the first right and the second wrong (a rollback).
     "qwen3_5 speculative_tokens=2": Configuration("qwen3_5", {**ENGINE, "speculative_tokens": 2}, oracle_correct=1),
+    # Tensor parallelism (notebook 13): rank 0 in this process, where the exercise is made to raise, shards its model.
+    "qwen3_5 tensor_parallel_size=2": Configuration("qwen3_5", {**ENGINE, "tensor_parallel_size": 2}),
 }
 
 # The configurations that may reach each notebook's exercises, tried in this order until one does.
@@ -97,6 +99,7 @@ NOTEBOOK_CONFIGURATIONS = {
     "09_moe": ("qwen3_5_moe",),
     "10_gpu": ("qwen3_5 cuda_graphs=True",),
     "11_speculative": ("qwen3_5 speculative_tokens=2",),
+    "13_tensor_parallel": ("qwen3_5 tensor_parallel_size=2",),
 }
 
 
@@ -133,16 +136,17 @@ class Run:
 
 
 def run_configuration(name: str, workloads: dict[str, tuple[Path, Workload]]) -> Run:
-    """Both turns of the workload through a fresh LLM of configuration `name`, its memory plan described."""
+    """Both turns of the workload through a fresh LLM of configuration `name`, its memory plan described; closed
+    after (a process runs one tensor-parallel LLM at a time)."""
     configuration = CONFIGURATIONS[name]
     checkpoint, work = workloads[configuration.model]
     drafter = None
     if configuration.oracle_correct is not None:
         drafter = OracleDrafter(work.reference, correct=configuration.oracle_correct, vocab_size=work.vocab_size)
-    llm = LLM(checkpoint, drafter=drafter, **configuration.options)
-    llm.memory_plan.describe()  # the plan as the demo and notebook 06 show it, with its break-even length
-    params = SamplingParams(max_new_tokens=MAX_NEW_TOKENS)
-    return Run([out for prompts in work.turns for out in llm.generate(prompts, params)], llm)
+    with LLM(checkpoint, drafter=drafter, **configuration.options) as llm:
+        llm.memory_plan.describe()  # the plan as the demo and notebook 06 show it, with its break-even length
+        params = SamplingParams(max_new_tokens=MAX_NEW_TOKENS)
+        return Run([out for prompts in work.turns for out in llm.generate(prompts, params)], llm)
 
 
 @pytest.mark.parametrize("name", CONFIGURATIONS)

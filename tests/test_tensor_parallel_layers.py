@@ -2,11 +2,10 @@
 
 Every rank loads the tiny checkpoint twice, whole and as its share, and runs both on the same inputs: the embedding
 and lm_head, the dense MLP, the mixture of experts (its experts across the ranks, on two and four ranks), and the
-two mixers over their pools, a prefill then a decode step. Outputs agree within the rounding of their sums
+attention layers over their KV pool, a prefill then a decode step. Outputs agree within the rounding of their sums
 (`tolerance`: a row-parallel layer adds its partial sums in another order); the embedding exactly (one rank gives
-each row, the others zeros). A rank's states and KV are the whole layer's at its own channels (exactly: copies of
-the same products) and value heads (to the rounding of the delta rule's batched products), and its KV at its KV
-heads (exactly)."""
+each row, the others zeros); a rank's KV is the whole layer's at its KV heads (exactly). The Gated DeltaNet layers
+and their states are notebook 13's check (tests/test_tensor_parallel_split.py)."""
 
 from __future__ import annotations
 
@@ -20,17 +19,15 @@ from a4.core import ForwardMode
 from a4.course.checks._harness import (
     assert_close,
     attention_reduction_length,
-    gdn_reduction_length,
     mlp_reduction_length,
     randn,
     tolerance,
 )
 from a4.distributed.group import run_ranks
-from a4.distributed.sharding import head_rows, kv_heads_of_rank, rank_model_config, rank_range, shard_model
-from a4.engine.factories import create_kv_pool, create_state_pool
+from a4.distributed.sharding import kv_heads_of_rank, rank_model_config, rank_range, shard_model
+from a4.engine.factories import create_kv_pool
 from a4.engine.forward_batch import build_forward_batch
 from a4.models.registry import load_model
-from a4.models.qwen3_5 import pool_layer_of
 
 F32 = torch.float32
 PROMPTS = [5, 7]  # tokens of each request's prefill; then one decode token each
@@ -43,54 +40,34 @@ def whole_and_share(checkpoint, group):
     return config, whole, share
 
 
-class Pools:
-    """A KV pool, a state pool and a request-slot table of two requests for `config`'s shapes."""
+class KVPool:
+    """A KV pool and a request-slot table of two requests for `config`'s shapes."""
 
     def __init__(self, config):
         self.kv = create_kv_pool(config, num_pages=32, page_size=1, dtype=F32, device="cpu")
-        self.states = create_state_pool(config, num_slots=2, dtype=F32, device="cpu")
         self.table = torch.arange(2 * 16).view(2, 16)
 
     def step(self, mode, prefix_lens, extend_lens):
         tokens = sum(extend_lens)
         return build_forward_batch(mode, input_ids=[0] * tokens, slots=[0, 1], prefix_lens=prefix_lens,
                                    extend_lens=extend_lens, sample_indices=list(range(tokens)),
-                                   req_to_token=self.table, kv_pool=self.kv, state_pool=self.states)  # fmt: skip
+                                   req_to_token=self.table, kv_pool=self.kv)  # fmt: skip
 
 
-def mixers_agree(group, checkpoint) -> None:
+def attention_agrees(group, checkpoint) -> None:
     config, whole, share = whole_and_share(checkpoint, group)
-    pools = {"whole": Pools(config), "share": Pools(rank_model_config(config, group.world_size))}
-    pool_layers = pool_layer_of(config)
+    pools = {"whole": KVPool(config), "share": KVPool(rank_model_config(config, group.world_size))}
     steps = [(ForwardMode.EXTEND, [0, 0], PROMPTS), (ForwardMode.DECODE, PROMPTS, [1, 1])]
     for step, (mode, prefix_lens, extend_lens) in enumerate(steps):
         fbs = {name: p.step(mode, prefix_lens, extend_lens) for name, p in pools.items()}
-        for i, (layer_whole, layer_share) in enumerate(zip(whole.model.layers, share.model.layers)):
+        cos, sin = whole.model.rotary_emb(fbs["whole"].positions, F32)
+        allowed = tolerance(F32, attention_reduction_length(config, max(PROMPTS) + step))
+        for i in config.full_attention_layers:
             x = randn(sum(extend_lens), config.hidden_size, seed=100 * step + i)
-            context = max(PROMPTS) + step
-            if layer_whole.is_linear:
-                out = [layer.linear_attn(x, fbs[name], pool_layers[i])
-                       for layer, name in ((layer_whole, "whole"), (layer_share, "share"))]  # fmt: skip
-                allowed = tolerance(F32, gdn_reduction_length(config, context))
-            else:
-                cos, sin = whole.model.rotary_emb(fbs["whole"].positions, F32)
-                out = [layer.self_attn(x, cos, sin, fbs[name])
-                       for layer, name in ((layer_whole, "whole"), (layer_share, "share"))]  # fmt: skip
-                allowed = tolerance(F32, attention_reduction_length(config, context))
+            out = [model.model.layers[i].self_attn(x, cos, sin, fbs[name])
+                   for model, name in ((whole, "whole"), (share, "share"))]  # fmt: skip
             assert_close(out[1], out[0], allowed, f"layer {i}, {mode.name}: rank {group.rank}'s output")
-    # The rank's states are the whole layer's at its channels and value heads; its KV at its KV heads.
-    key_heads = rank_range(config.linear_num_key_heads, group)
-    value_heads = rank_range(config.linear_num_value_heads, group)
-    dk, dv, key_dim = config.linear_key_head_dim, config.linear_value_head_dim, config.linear_key_dim
-    channels = torch.cat(
-        [head_rows(key_heads, dk), head_rows(key_heads, dk, key_dim), head_rows(value_heads, dv, 2 * key_dim)]
-    )
-    whole_states, share_states = pools["whole"].states, pools["share"].states
-    allowed = tolerance(F32, gdn_reduction_length(config, max(PROMPTS) + 1))
-    for k in range(whole_states.num_layers):
-        assert torch.equal(share_states.conv_state(k), whole_states.conv_state(k)[:, channels])
-        share_recurrent, whole_recurrent = share_states.recurrent_state(k), whole_states.recurrent_state(k)
-        assert_close(share_recurrent, whole_recurrent[:, value_heads], allowed, f"GDN layer {k}'s recurrent state")
+    # The rank's KV is the whole layer's at its KV heads.
     kv_heads = kv_heads_of_rank(config, group)
     for j in range(pools["whole"].kv.num_layers):
         for whole_kv, share_kv in zip(pools["whole"].kv.get_kv(j), pools["share"].kv.get_kv(j)):
@@ -141,8 +118,8 @@ def weight_bytes(module: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in module.parameters())
 
 
-def test_gdn_and_attention_shares_and_their_states():
-    run_ranks(mixers_agree, 2, tiny_checkpoint("qwen3_5"))
+def test_attention_shares_and_their_kv():
+    run_ranks(attention_agrees, 2, tiny_checkpoint("qwen3_5"))
 
 
 def test_embedding_lm_head_and_mlp():

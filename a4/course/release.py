@@ -42,6 +42,7 @@ STUDENT_TESTS = frozenset(
         "test_moe.py",
         "test_gdn_decode.py",
         "test_speculative_verify.py",
+        "test_tensor_parallel_split.py",
         "test_qwen3_5_model.py",
         "test_engine_qwen3_5.py",
     }

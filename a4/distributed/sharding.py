@@ -8,12 +8,10 @@ students' forward code runs unchanged on a rank's share. Rank r of N keeps, for 
   gate, which sits beside each head's query), the KV heads those query heads read in k_proj and v_proj, and the
   matching input columns of o_proj (row-parallel). With fewer KV heads than ranks (Qwen3.5-0.8B has 2), each KV head
   is replicated on the N / nKV ranks whose query heads read it. Each rank's KV pool holds its own KV heads only.
-- Gated DeltaNet: key heads r*Hk/N .. and value heads r*Hv/N .., in the ratio of the model (value head j reads key
-  head j // (Hv/Hk), so contiguous ranges of both keep each value head with its key head). in_proj_qkv's rows and
-  the conv channels are three blocks, q | k | v: a rank takes its heads' rows of each block, and conv1d's same
-  channels, so its conv state holds exactly the channels its heads read. in_proj_z, in_proj_b, in_proj_a, A_log
-  and dt_bias by value head; the gated norm (per value head) whole; out_proj row-parallel. Its recurrent state
-  holds its value heads.
+- Gated DeltaNet: whole value-head groups (a key head and the value heads that read it), as gdn_split.py's
+  `gdn_rank_share` says: their rows of in_proj_qkv (q | k | v) and the same conv1d channels, so that the rank's conv
+  state holds exactly the channels its heads read; in_proj_z, in_proj_b, in_proj_a, A_log and dt_bias by value head;
+  the gated norm (per value head) whole; out_proj row-parallel. Its recurrent state holds its value heads.
 - the gated MLP: gate_proj and up_proj by intermediate row, down_proj row-parallel.
 - the mixture of experts: expert parallelism for the routed experts, experts r*E/N .. (r+1)*E/N - 1 whole on rank
   r, each rank computing the token-expert pairs routed to its experts (a4/distributed/layers.py); the shared expert
@@ -33,6 +31,7 @@ from dataclasses import replace
 import torch
 from torch import nn
 
+from a4.distributed.gdn_split import gdn_rank_share
 from a4.distributed.group import TPGroup
 from a4.distributed.layers import (
     ExpertParallelExperts,
@@ -126,26 +125,20 @@ def shard_attention(attn: nn.Module, config: ModelConfig, group: TPGroup) -> Non
 
 
 def shard_gated_deltanet(gdn: nn.Module, config: ModelConfig, group: TPGroup) -> None:
-    key_heads = rank_range(config.linear_num_key_heads, group)
-    value_heads = rank_range(config.linear_num_value_heads, group)
-    dk, dv, key_dim = config.linear_key_head_dim, config.linear_value_head_dim, config.linear_key_dim
-    # in_proj_qkv's rows and conv1d's channels: all q | all k | all v.
-    channels = torch.cat(
-        [head_rows(key_heads, dk), head_rows(key_heads, dk, key_dim), head_rows(value_heads, dv, 2 * key_dim)]
-    )
-    value_rows = head_rows(value_heads, dv)
+    share = gdn_rank_share(config, group.rank, group.world_size)
+    channels = share.qkv_channels
     gdn.in_proj_qkv = column_parallel(gdn.in_proj_qkv, channels)
     conv = gdn.conv1d
     gdn.conv1d = nn.Conv1d(len(channels), len(channels), conv.kernel_size[0], groups=len(channels), bias=False,
                            device=conv.weight.device, dtype=conv.weight.dtype)  # fmt: skip
     gdn.conv1d.weight = nn.Parameter(conv.weight[channels].clone(), requires_grad=False)
-    gdn.in_proj_z = column_parallel(gdn.in_proj_z, value_rows)
-    gdn.in_proj_b = column_parallel(gdn.in_proj_b, value_heads)
-    gdn.in_proj_a = column_parallel(gdn.in_proj_a, value_heads)
-    gdn.A_log = nn.Parameter(gdn.A_log[value_heads].clone(), requires_grad=False)
-    gdn.dt_bias = nn.Parameter(gdn.dt_bias[value_heads].clone(), requires_grad=False)
-    gdn.out_proj = RowParallelLinear(gdn.out_proj, value_rows, group)
-    gdn.num_k_heads, gdn.num_v_heads = len(key_heads), len(value_heads)
+    gdn.in_proj_z = column_parallel(gdn.in_proj_z, share.value_channels)
+    gdn.in_proj_b = column_parallel(gdn.in_proj_b, share.value_heads)
+    gdn.in_proj_a = column_parallel(gdn.in_proj_a, share.value_heads)
+    gdn.A_log = nn.Parameter(gdn.A_log[share.value_heads].clone(), requires_grad=False)
+    gdn.dt_bias = nn.Parameter(gdn.dt_bias[share.value_heads].clone(), requires_grad=False)
+    gdn.out_proj = RowParallelLinear(gdn.out_proj, share.value_channels, group)
+    gdn.num_k_heads, gdn.num_v_heads = len(share.key_heads), len(share.value_heads)
 
 
 def shard_mlp(mlp: nn.Module, group: TPGroup, reduce: bool = True) -> None:
