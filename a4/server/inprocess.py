@@ -57,6 +57,12 @@ class RunningApp:
             raise RuntimeError(f"uvicorn did not shut down within {timeout:g} s")
 
 
+def parse_metrics(text: str) -> dict[str, float]:
+    """The `a4:` samples of a /metrics answer (Prometheus' text format) by name, less the counters' creation times."""
+    samples = (line.rsplit(" ", 1) for line in text.splitlines() if line.startswith("a4:"))
+    return {name: float(value) for name, value in samples if not name.split("{")[0].endswith("_created")}
+
+
 class InProcessServer:
     """`python -m a4 serve` in this process: a checkpoint with a tokenizer (default: the trained tiny Qwen3.5) and
     the engine's options (EngineConfig's fields, and max_queued_requests)."""
@@ -101,10 +107,7 @@ class InProcessServer:
         times."""
         import httpx
 
-        text = httpx.get(f"{self.url}/metrics").text
-        return {name: float(value) for name, value in
-                (line.rsplit(" ", 1) for line in text.splitlines() if line.startswith("a4:"))
-                if not name.split("{")[0].endswith("_created")}  # fmt: skip
+        return parse_metrics(httpx.get(f"{self.url}/metrics").text)
 
     def stop(self) -> None:
         """Shut down (requests in flight are aborted); a server never started or already stopped is left alone."""

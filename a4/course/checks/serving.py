@@ -12,13 +12,15 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import httpx
+
 from a4.bench.serve import Workload, run_rate
-from a4.server.inprocess import InProcessServer
+from a4.server.inprocess import InProcessServer, parse_metrics
 
 
 class LoadWatcher:
     """Reads the server's /metrics every `every` seconds while the `with` block runs: `samples` is a list of
-    (time.perf_counter() when read, a4:num_requests_running, a4:num_requests_waiting)."""
+    (time.perf_counter() halfway through the request, a4:num_requests_running, a4:num_requests_waiting)."""
 
     def __init__(self, server: InProcessServer, every: float = 0.01) -> None:
         self.server, self.every = server, every
@@ -27,11 +29,13 @@ class LoadWatcher:
         self._thread = threading.Thread(target=self._watch, name="load-watcher", daemon=True)
 
     def _watch(self) -> None:
-        while not self._done.is_set():
-            metrics = self.server.metrics()
-            self.samples.append((time.perf_counter(), metrics["a4:num_requests_running"],
-                                 metrics["a4:num_requests_waiting"]))  # fmt: skip
-            self._done.wait(self.every)
+        with httpx.Client(base_url=self.server.url) as client:  # one connection for all the reads
+            while not self._done.is_set():
+                sent = time.perf_counter()
+                metrics = parse_metrics(client.get("/metrics").text)
+                self.samples.append(((sent + time.perf_counter()) / 2, metrics["a4:num_requests_running"],
+                                     metrics["a4:num_requests_waiting"]))  # fmt: skip
+                self._done.wait(self.every)
 
     def __enter__(self) -> LoadWatcher:
         self._thread.start()
