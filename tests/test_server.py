@@ -22,12 +22,12 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-import uvicorn
 from transformers import AutoTokenizer
 
 from a4.reference import hf_greedy
 from a4.server.detokenizer import IncrementalDetokenizer
-from a4.server.launch import Server, build_app
+from a4.server.inprocess import RunningApp
+from a4.server.launch import build_app
 
 REPO = Path(__file__).resolve().parent.parent
 WAIT_SECONDS = 60  # bound on any wait: server start, a slot freed, a process exit
@@ -36,18 +36,12 @@ MODEL = "qwen3_5-tiny"  # the name the server gives the model: its directory's
 
 @contextmanager
 def running_server(app):
-    """Run the app under uvicorn in a thread of this process; yields its base URL."""
-    server = Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
-    thread = threading.Thread(target=server.run, name="uvicorn", daemon=True)
-    thread.start()
-    wait_for(lambda: server.started, "uvicorn to start")
-    port = server.servers[0].sockets[0].getsockname()[1]
+    """Run the app under uvicorn in a thread of this process (as notebook 12 does); yields its base URL."""
+    running = RunningApp(app)
     try:
-        yield f"http://127.0.0.1:{port}"
+        yield running.url
     finally:
-        server.should_exit = True
-        thread.join(WAIT_SECONDS)
-        assert not thread.is_alive(), "uvicorn did not shut down"
+        running.stop(WAIT_SECONDS)  # raises if uvicorn did not shut down
 
 
 def wait_for(condition, what: str, seconds: float = WAIT_SECONDS) -> None:

@@ -134,7 +134,8 @@ async def run_rate(base_url: str, rate: float, workload: Workload, rng: random.R
         for _ in arrivals
     ]  # fmt: skip
     async with httpx.AsyncClient(base_url=base_url, timeout=None, limits=httpx.Limits(max_connections=None)) as client:
-        progress = tqdm(total=len(arrivals), desc=f"rate {rate:g}/s", unit="req", leave=False)
+        # disable=None: no bar where stderr is no terminal (a log file, a notebook).
+        progress = tqdm(total=len(arrivals), desc=f"rate {rate:g}/s", unit="req", leave=False, disable=None)
 
         async def send(at: float, payload: dict) -> RequestResult:
             await asyncio.sleep(at - (time.perf_counter() - start))
@@ -159,7 +160,8 @@ async def run_multi_turn(base_url: str, workload: Workload, rng: random.Random) 
     system = random_prompt(rng, workload.system_words)
     users = [[random_prompt(rng, 12) for _ in range(workload.turns)] for _ in range(workload.conversations)]
     by_turn: list[list[RequestResult]] = [[] for _ in range(workload.turns)]
-    progress = tqdm(total=workload.conversations * workload.turns, desc="multi-turn chat", unit="req", leave=False)
+    progress = tqdm(total=workload.conversations * workload.turns, desc="multi-turn chat", unit="req", leave=False,
+                    disable=None)
     async with httpx.AsyncClient(base_url=base_url, timeout=None) as client:
 
         async def conversation(questions: list[str]) -> None:
