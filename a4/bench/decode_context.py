@@ -20,13 +20,13 @@ least-squares line through each series gives its slope, in ms per 1k tokens of c
 
 from __future__ import annotations
 
-import json
 import statistics
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
 
+from a4.bench import write_report
 from a4.bench._states import LayerStates
 from a4.bench._timing import median_seconds
 from a4.checkpoints import make_checkpoint
@@ -271,9 +271,5 @@ def main(quick: bool = False, out_dir: Path | None = None) -> dict:
     change = report["gdn_layer_change"]
     print(f"GDN layer step from {change['from']} to {change['to']} tokens of context: {change['ratio_minus_1']:+.1%}")
     if out_dir is not None:
-        out_dir = Path(out_dir)
-        out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "decode_context.json").write_text(json.dumps(report, indent=2) + "\n")
-        plot(report, out_dir / "decode_context.png")
-        print(f"wrote {out_dir / 'decode_context.json'} and {out_dir / 'decode_context.png'}")
+        write_report(out_dir, "decode_context", report, plot)
     return report

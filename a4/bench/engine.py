@@ -40,6 +40,7 @@ from typing import Any
 import torch
 from torch.nn.attention import sdpa_kernel
 
+from a4.bench import write_report
 from a4.bench._floor import ModelBytes, copy_bytes_per_second, gemm_flop_per_second
 from a4.checkpoints import make_checkpoint
 from a4.dtypes import DTYPES
@@ -402,9 +403,5 @@ def main(quick: bool = False, out_dir: Path | None = None) -> dict:
     }
     print_table(report)
     if out_dir is not None:
-        out_dir = Path(out_dir)
-        out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "engine.json").write_text(json.dumps(report, indent=2) + "\n")
-        plot(report, out_dir / "engine.png")
-        print(f"wrote {out_dir / 'engine.json'} and {out_dir / 'engine.png'}")
+        write_report(out_dir, "engine", report, plot)
     return report

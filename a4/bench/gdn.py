@@ -11,13 +11,14 @@ than the recurrence and keep the same tokens/s as T grows.
 
 from __future__ import annotations
 
-import json
 import statistics
 import time
 from pathlib import Path
 from typing import Callable
 
 import torch
+
+from a4.bench import write_report
 
 NUM_HEADS, HEAD_DIM = 16, 128
 METHODS = ("recurrence", "a4 chunked", "transformers chunked")
@@ -26,7 +27,9 @@ METHODS = ("recurrence", "a4 chunked", "transformers chunked")
 def runners(length: int) -> dict[str, Callable[[], tuple]]:
     """One zero-argument call per method, all on the same inputs of `length` tokens, from a zero state."""
     # Imported here: the a4 module is an exercise (notebook 04), and transformers is only the reference.
-    from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
+    from transformers.models.qwen3_5.modeling_qwen3_5 import (
+        torch_chunk_gated_delta_rule,
+    )
 
     from a4.course.checks.deltanet import delta_rule_inputs
     from a4.layers.deltanet import chunk_gated_delta_rule, recurrent_gated_delta_rule
@@ -143,9 +146,5 @@ def main(quick: bool = False, out_dir: Path | None = None) -> dict:
         "results": results,
     }
     if out_dir is not None:
-        out_dir = Path(out_dir)
-        out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "gdn.json").write_text(json.dumps(report, indent=2) + "\n")
-        plot(results, out_dir / "gdn.png")
-        print(f"wrote {out_dir / 'gdn.json'} and {out_dir / 'gdn.png'}")
+        write_report(out_dir, "gdn", report, plot, plotted=results)
     return report

@@ -48,7 +48,7 @@ from pathlib import Path
 import torch
 
 from a4._overlay import REPO_ROOT
-from a4.bench import Unavailable
+from a4.bench import Unavailable, write_report
 from a4.bench._floor import ModelBytes, copy_bytes_per_second, gemm_flop_per_second
 from a4.bench._timing import device_seconds
 from a4.checkpoints import make_checkpoint
@@ -349,9 +349,7 @@ def main(quick: bool = False, out_dir: Path | None = None, system: str | None = 
     report = assemble(parts, workload, meta(parts["floor"]["device"], workload, "transformers_fla" in parts))
     print_table(report)
     stem = f"{device_slug(report['meta']['device'])}_gpu{'_quick' if quick else ''}"
-    (out_dir / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
-    plot(report, out_dir / f"{stem}.png")
-    print(f"wrote {out_dir / stem}.json and .png")
+    write_report(out_dir, stem, report, plot)
     return report
 
 

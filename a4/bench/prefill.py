@@ -16,13 +16,13 @@ outside this benchmark changes.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
+from a4.bench import write_report
 from a4.bench._states import LayerStates
 from a4.bench._timing import median_seconds
 from a4.checkpoints import make_checkpoint
@@ -195,9 +195,5 @@ def main(quick: bool = False, out_dir: Path | None = None) -> dict:
     }
     print_table(report)
     if out_dir is not None:
-        out_dir = Path(out_dir)
-        out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "prefill.json").write_text(json.dumps(report, indent=2) + "\n")
-        plot(report, out_dir / "prefill.png")
-        print(f"wrote {out_dir / 'prefill.json'} and {out_dir / 'prefill.png'}")
+        write_report(out_dir, "prefill", report, plot)
     return report

@@ -38,6 +38,7 @@ import httpx
 from tqdm import tqdm
 
 from a4._overlay import REPO_ROOT
+from a4.bench import write_report
 from a4.course.exercises import exercise_named_in
 
 PERCENTILES = (50, 90, 99)
@@ -337,9 +338,5 @@ def main(
     }
     print_table(report)
     if out_dir is not None:
-        out_dir = Path(out_dir)
-        out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "serve.json").write_text(json.dumps(report, indent=2) + "\n")
-        plot(report, out_dir / "serve.png")
-        print(f"wrote {out_dir / 'serve.json'} and {out_dir / 'serve.png'}")
+        write_report(out_dir, "serve", report, plot)
     return report

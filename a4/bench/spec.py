@@ -34,7 +34,6 @@ the drafts accepted: each request always feeds k + 1 tokens). Greedy, end of seq
 from __future__ import annotations
 
 import gc
-import json
 import statistics
 import time
 from dataclasses import asdict, dataclass, fields
@@ -42,6 +41,7 @@ from pathlib import Path
 
 import torch
 
+from a4.bench import write_report
 from a4.bench.engine import A4Runner, random_prompts
 from a4.checkpoints import make_checkpoint
 from a4.engine.engine import EngineStats
@@ -432,9 +432,5 @@ def main(quick: bool = False, out_dir: Path | None = None) -> dict:
     print_memory(report["memory"])
     report["wall_seconds"] = time.perf_counter() - start
     if out_dir is not None:
-        out_dir = Path(out_dir)
-        out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "spec.json").write_text(json.dumps(report, indent=2) + "\n")
-        plot(report, out_dir / "spec.png")
-        print(f"wrote {out_dir / 'spec.json'} and {out_dir / 'spec.png'} ({report['wall_seconds']:.0f} s)")
+        write_report(out_dir, "spec", report, plot)
     return report
