@@ -10,7 +10,9 @@ The statistical test runs thousands of seeds of one prompt through the random ti
 quarter of the requests accept their first draft (their first token was the greedy one, then the draft wins its
 draw), the others reject it. The joint distribution of the first three tokens, the last two from the first verify
 step, is compared with the exact one (transformers' logits, with the top-k and softmax written here) and with plain
-sampling's; a rule that forgets to take the rejected draft out of the residual is caught.
+sampling's; a rule that forgets to take the rejected draft out of the residual is caught. The same comparison on the
+trained tiny Qwen3.5, whose MTP module drafts: the animal of a story, the second sampled token, against its exact
+distribution.
 """
 
 from __future__ import annotations
@@ -214,3 +216,65 @@ def test_seeds_reproduce_sampled_tokens_and_greedy_requests_stay_exact(tiny_qwen
     assert [out.token_ids for out in mixed[::2]] == [out.token_ids for out in alone[::-1]]
     assert [len(out.token_ids) for out in mixed[::2]] == [10, 10, 7]
     assert mixed_llm.stats.accepted_draft_tokens > 0
+
+
+# The trained tiny Qwen3.5 with its own MTP drafts: a story's animal is the uncertain token ("Once upon a time, there
+# was a" -> " tiny", then the animal, drawn in the first verify step against the MTP module's draft, then " named").
+STORY = "Once upon a time, there was a"
+STORY_TOP_K, STORY_SEEDS = 6, 3000
+# Outcomes less likely than this many expected draws share one bin, so that the chi-square law holds in every bin.
+# Measured (7 bins, 6 dof): speculative 3.1, plain 10.0; the biased rule of the test above scores 184 here.
+MIN_EXPECTED = 20
+
+
+def story_exact(checkpoint, prompt: list[int]) -> dict[int, float]:
+    """The exact distribution of the second sampled token (summed over the first), from transformers' logits."""
+    model = cached_hf_model(checkpoint)
+
+    def next_probs(ids: list[int]) -> dict[int, float]:
+        with torch.no_grad():
+            values, tokens = model(torch.tensor([ids])).logits[0, -1].float().topk(STORY_TOP_K)
+        return dict(zip(tokens.tolist(), torch.softmax(values, dim=-1).tolist()))
+
+    second: Counter = Counter()
+    for first, p_first in next_probs(prompt).items():
+        for token, p in next_probs(prompt + [first]).items():
+            second[token] += p_first * p
+    return dict(second)
+
+
+def binned(counts: Counter, exact: dict[int, float], n: int) -> tuple[list[float], list[float]]:
+    """(observed, expected) per bin: each outcome expected MIN_EXPECTED times or more, the others together."""
+    frequent = [token for token, p in exact.items() if p * n >= MIN_EXPECTED]
+    observed = [counts[token] for token in frequent] + [n - sum(counts[token] for token in frequent)]
+    expected = [exact[token] * n for token in frequent] + [n * (1 - sum(exact[token] for token in frequent))]
+    return observed, expected
+
+
+def test_speculative_sampling_with_the_trained_mtp_drafts_keeps_the_distribution():
+    from transformers import AutoTokenizer
+
+    from a4.checkpoints import tiny_checkpoint
+
+    checkpoint = tiny_checkpoint("qwen3_5", trained=True)
+    prompt = AutoTokenizer.from_pretrained(checkpoint, local_files_only=True).encode(STORY)
+    exact = story_exact(checkpoint, prompt)
+
+    def second_tokens(llm: LLM, seeds: range) -> Counter:
+        params = [SamplingParams(max_new_tokens=3, temperature=1.0, top_k=STORY_TOP_K, seed=s) for s in seeds]
+        return Counter(out.token_ids[1] for out in llm.generate([prompt] * len(params), params))
+
+    options = dict(enable_prefix_cache=False, max_running_requests=256)
+    spec_llm = LLM(checkpoint, speculative_tokens=2, **options)
+    speculative = second_tokens(spec_llm, range(STORY_SEEDS))
+    plain = second_tokens(LLM(checkpoint, **options), range(STORY_SEEDS, 2 * STORY_SEEDS))
+    # The MTP module drafts the likeliest animal: accepted (about a fifth of the draws) and rejected, both often.
+    stats = spec_llm.stats
+    assert 0.1 < stats.accepted_draft_tokens / stats.draft_tokens < 0.9, stats
+    for name, counts in (("speculative", speculative), ("plain", plain)):
+        observed, expected = binned(counts, exact, STORY_SEEDS)
+        chi2 = sum((o - e) ** 2 / e for o, e in zip(observed, expected))
+        df = len(observed) - 1
+        # P(chi-square with df degrees of freedom > chi2): the regularised upper incomplete gamma Q(df / 2, chi2 / 2).
+        tail = float(torch.special.gammaincc(torch.tensor(df / 2), torch.tensor(chi2 / 2)))
+        assert tail > FALSE_FAILURE, f"{name} vs exact: chi-square {chi2:.1f} ({df} dof), bins {observed} vs {expected}"
