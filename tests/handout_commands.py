@@ -4,7 +4,7 @@ The documents are the handout's README and book intro (from handout/) and the no
 of a fenced `bash` block or inline code that starts with `make `, `python -m ` or `.venv/bin/`. Each runs in the
 handout as documented, in this test's environment: `make` is pointed at this Python (and never installs), `python`
 is this Python with the handout first on the path. To keep the tests fast, grading covers notebook 01 and the
-benchmarks run `--quick`; a server (JupyterLab) is only asked for its version.
+benchmarks run `--quick`; a server is only asked for its version (JupyterLab) or its usage (`python -m a4 serve`).
 """
 
 from __future__ import annotations
@@ -74,6 +74,8 @@ def as_run(command: str) -> Run:
             words += ["--notebook", GRADED_NOTEBOOK]
         if words[1:4] == ["-m", "a4", "bench"]:
             words += ["--quick"]
+        if words[1:4] == ["-m", "a4", "serve"]:
+            words = [*words[:4], "--help"]  # a server runs until stopped: it is asked for its usage
         return tuple(words)
     if words[0] == ".venv/bin/jupyter":
         return (words[0], words[1], "--version")
