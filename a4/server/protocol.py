@@ -133,13 +133,18 @@ class CompletionChoice(BaseModel):
     logprobs: None = None
 
 
-class CompletionResponse(BaseModel):
-    """A completion, or one chunk of a streamed one (the same object, as in OpenAI's API)."""
+class Response(BaseModel):
+    """What every response of the completion endpoints carries: its id, when it was made, the model's name."""
 
     id: str
-    object: Literal["text_completion"] = "text_completion"
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
+
+
+class CompletionResponse(Response):
+    """A completion, or one chunk of a streamed one (the same object, as in OpenAI's API)."""
+
+    object: Literal["text_completion"] = "text_completion"
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
 
@@ -155,11 +160,8 @@ class ChatChoice(BaseModel):
     finish_reason: Literal["stop", "length"]
 
 
-class ChatCompletionResponse(BaseModel):
-    id: str
+class ChatCompletionResponse(Response):
     object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
     choices: list[ChatChoice]
     usage: UsageInfo
 
@@ -175,11 +177,8 @@ class ChatChunkChoice(BaseModel):
     finish_reason: Literal["stop", "length"] | None = None
 
 
-class ChatCompletionChunk(BaseModel):
-    id: str
+class ChatCompletionChunk(Response):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
     choices: list[ChatChunkChoice]
     usage: UsageInfo | None = None
 
