@@ -11,78 +11,66 @@ happens, in order (driver.py), one broadcast per module call:
   (clear a new request's slot, save or restore a checkpoint, commit verify states, drop a checkpoint the prefix
   cache evicted). No rank reads a state between two module calls, so the ops wait for the next message.
 - `Call`: a module call that every rank makes together (the main model's forward, the MTP module's forward and its
-  lm_head), with the step's `StepInputs`: the ForwardBatch's tensors, and the rows of the request-slot table that
+  lm_head), with the step's `StepInputs`: its ForwardBatch without the rank-local parts, and the rows of the table that
   the step reads. Slots and KV locations are rank 0's on every rank, so a worker needs no allocator of its own.
 - `Setup` once the plan is made (the pools' sizes), `Report` for tests and diagnostics, `Stop`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import torch
 
-from a4.core import ForwardBatch, ForwardMode
+from a4.core import ForwardBatch
+
+
+# The ForwardBatch fields that stay on their own rank: its table, pools and backend, and what the backend prepared.
+RANK_LOCAL_FIELDS = ("req_to_token", "kv_pool", "state_pool", "attn_backend", "attn_metadata", "gdn_metadata")
 
 
 @dataclass
 class StepInputs:
-    """A ForwardBatch without its pools and backends, on the host."""
+    """A step's ForwardBatch on the host, without what each rank has of its own, and the table rows it reads."""
 
-    mode: ForwardMode
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    slots: torch.Tensor
-    seq_lens: torch.Tensor
-    cu_seqlens: torch.Tensor
-    max_seq_len: int
-    out_cache_loc: torch.Tensor
-    sample_indices: torch.Tensor
+    fb: ForwardBatch
     # req_to_token[slots, :max(seq_lens)]: every entry the step's layers read of the table.
     table_rows: torch.Tensor
-    extend_lens: list[int] | None
-    prefix_lens: list[int] | None
 
     @classmethod
     def of(cls, fb: ForwardBatch) -> StepInputs:
-        tensors = {
-            name: getattr(fb, name).cpu()
-            for name in ("input_ids", "positions", "slots", "seq_lens", "cu_seqlens", "out_cache_loc", "sample_indices")
-        }
         longest = int(fb.seq_lens.max())
-        return cls(
-            mode=fb.mode,
-            max_seq_len=fb.max_seq_len,
-            table_rows=fb.req_to_token[fb.slots, :longest].cpu(),
-            extend_lens=fb.extend_lens,
-            prefix_lens=fb.prefix_lens,
-            **tensors,
-        )
+        host = replace(fb, **{name: None for name in RANK_LOCAL_FIELDS}, **_tensors(fb, torch.device("cpu")))
+        return cls(host, fb.req_to_token[fb.slots, :longest].cpu())
+
+    @property
+    def extend_lens(self) -> list[int] | None:
+        return self.fb.extend_lens
 
     def forward_batch(self, req_to_token: torch.Tensor, kv_pool, state_pool, attn_backend) -> ForwardBatch:
         """The same step over this rank's table, pools and backend (its rows of the table written first)."""
         device = req_to_token.device
-        slots = self.slots.to(device)
-        req_to_token[slots, : self.table_rows.shape[1]] = self.table_rows.to(device)
-        tensors = {
-            field.name: getattr(self, field.name).to(device)
-            for field in fields(self)
-            if isinstance(getattr(self, field.name), torch.Tensor) and field.name != "table_rows"
-        }
-        fb = ForwardBatch(
-            mode=self.mode,
-            max_seq_len=self.max_seq_len,
+        req_to_token[self.fb.slots.to(device), : self.table_rows.shape[1]] = self.table_rows.to(device)
+        fb = replace(
+            self.fb,
             req_to_token=req_to_token,
             kv_pool=kv_pool,
             state_pool=state_pool,
             attn_backend=attn_backend,
-            extend_lens=self.extend_lens,
-            prefix_lens=self.prefix_lens,
-            **tensors,
+            **_tensors(self.fb, device),
         )
         attn_backend.prepare(fb)
         return fb
+
+
+def _tensors(fb: ForwardBatch, device: torch.device) -> dict[str, torch.Tensor]:
+    """The step's own tensors (ids, positions, slots, lengths, locations) moved to `device`."""
+    return {
+        field.name: getattr(fb, field.name).to(device)
+        for field in fields(fb)
+        if field.name not in RANK_LOCAL_FIELDS and isinstance(getattr(fb, field.name), torch.Tensor)
+    }
 
 
 @dataclass
