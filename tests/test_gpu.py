@@ -146,3 +146,38 @@ def test_bfloat16_verify_accepts_the_drafts_of_a_plain_run(model):
     print(f"\nbfloat16 speculative (k = 3) vs plain decode: acceptance {llm.stats.acceptance_rate:.1%}, "
           f"{llm.stats.tokens_per_decode_step:.2f} tokens per decode step, {same} of {len(PROMPTS)} requests identical")
     assert llm.stats.draft_tokens > 0
+
+
+class OneRankTensorParallelEngine:
+    """An engine built as a tensor-parallel one with a group of one rank on GPU 0: its model sharded by the parallel
+    layers (every share the whole), each module call mirrored through the driver, the all-reduces and all-gathers
+    over NCCL. `LLM(tensor_parallel_size=1)` takes the plain path; this is the NCCL path on a one-GPU machine."""
+
+    def __init__(self, ckpt: str, **options):
+        from a4.distributed.driver import TPDriver
+        from a4.engine.engine import Engine, EngineConfig
+
+        engine = Engine.__new__(Engine)
+        engine.config = EngineConfig(ckpt, device="cuda", **options)
+        engine.tp = TPDriver(engine.config)
+        engine._build(engine.config, False, None)
+        self.engine = engine
+
+    def generate(self, prompts, params):
+        reqs = [self.engine.add_request(prompt, params) for prompt in prompts]
+        self.engine.run(reqs)
+        return reqs
+
+
+def test_tensor_parallel_driver_over_nccl_with_one_rank(model):
+    import torch.distributed as dist
+
+    ckpt, reference = model
+    tp = OneRankTensorParallelEngine(ckpt, max_running_requests=4, max_prefill_tokens=48, page_size=4,
+                                     enable_prefix_cache=True)  # fmt: skip
+    try:
+        assert dist.get_backend(tp.engine.tp.group.compute) == "nccl"
+        reqs = tp.generate(PROMPTS, SamplingParams(max_new_tokens=MAX_NEW))
+        assert [req.output_ids for req in reqs] == reference
+    finally:
+        tp.engine.close()

@@ -66,7 +66,7 @@ from a4.kernels.fla_prefill import (  # noqa: E402 - only where the kernels can 
 )
 from a4.kernels.gdn_decode import conv_update_by_slot_, gated_delta_rule_update_by_slot_  # noqa: E402
 from a4.kernels.paged_attention import paged_decode_attention  # noqa: E402
-from a4.kernels.gemv import MAX_ROWS, gemv, linear, use_gemv  # noqa: E402
+from a4.kernels.gemv import MAX_ROWS, TILES, gemv, linear, use_gemv  # noqa: E402
 from a4.kernels.rmsnorm import use_fused_norms  # noqa: E402
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -489,11 +489,12 @@ def test_fused_norms_match_the_modules_they_replace(dim, dtype):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("rows", range(1, MAX_ROWS + 1))
 @pytest.mark.parametrize("out_features, in_features", [(1024, 3584), (8224, 1024), (37, 100)])
-def test_gemv_matches_a_float64_matmul(rows, out_features, in_features, dtype):
+@pytest.mark.parametrize("tile", [None, *TILES], ids=lambda tile: "autotuned" if tile is None else "x".join(map(str, tile)))
+def test_gemv_matches_a_float64_matmul(rows, out_features, in_features, dtype, tile):
     generator = torch.Generator().manual_seed(rows * out_features)
     x = torch.randn(rows, 2 * in_features, generator=generator)[:, :in_features].to(DEVICE, dtype)  # strided rows
     weight = (torch.randn(out_features, in_features, generator=generator) * in_features**-0.5).to(DEVICE, dtype)
-    y = gemv(x, weight)
+    y = gemv(x, weight, tile)
     expected = x.double() @ weight.double().T
     assert y.dtype == dtype and y.shape == (rows, out_features)
     # float32: the sum in another order; bfloat16: the output's rounding (and the interpreter's truncation).

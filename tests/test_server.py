@@ -352,3 +352,23 @@ def test_a_signal_shuts_the_server_down_cleanly_even_mid_stream(chat_model_dir, 
     log += [lines.get() for _ in range(lines.qsize())]
     assert process.returncode == 0, "".join(log)
     assert "Application shutdown complete" in "".join(log) and "Traceback" not in "".join(log), "".join(log)
+
+
+def test_the_gpu_warm_up_leaves_the_engine_as_built(chat_model_dir):
+    # `build_app` warms a GPU engine up (launch.warm_up); run here on the CPU: afterwards every slot and KV page is
+    # free again, the counters are zero, and the next request is still transformers' greedy continuation.
+    from a4 import SamplingParams
+    from a4.engine.engine import Engine, EngineConfig
+    from a4.server.launch import warm_up
+
+    engine = Engine(EngineConfig(chat_model_dir, max_running_requests=4, max_prefill_tokens=64,
+                                 enable_prefix_cache=False))  # fmt: skip
+    free_slots, free_pages = engine.runner.table_manager.available_size, engine.runner.allocator.num_free_pages
+    warm_up(engine)
+    assert engine.stats.prefill_tokens == engine.stats.decode_tokens == 0
+    assert engine.runner.table_manager.available_size == free_slots
+    assert engine.runner.allocator.num_free_pages == free_pages
+    prompt = [5, 9, 200, 31, 7]
+    [req] = [engine.add_request(prompt, SamplingParams(max_new_tokens=6))]
+    engine.run([req])
+    assert req.output_ids == hf_greedy(chat_model_dir, [prompt], 6)[0]

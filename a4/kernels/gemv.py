@@ -5,8 +5,12 @@ from HBM. cuBLAS tiles it as a GEMM and, for the layers whose output is narrow, 
 blocks: on an H200, Qwen3.5-0.8B's `down_proj` (3584 -> 1024, 7.3 MB) took 10.4 us at batch 1, 0.7 TB/s of a 4.8
 TB/s memory, and the GDN `out_proj` and attention `o_proj` (2048 -> 1024) ran as slowly; together a fifth of the
 decode step. Here each program owns BLOCK_N output features and streams their rows of W (BLOCK_N x BLOCK_K tiles,
-pipelined over K), so a 1024-wide output is 128 programs, about one per SM, each reading its 8 rows of W once and
-keeping all M token rows' dot products in registers.
+pipelined over K), keeping all M token rows' dot products in registers.
+
+The tile is autotuned per weight shape (`triton.autotune`, on the first call, which the graph runner's warm-up makes
+before capture): one fixed tile (8 x 512, 4 warps) read the 0.8B model's decode weights at only 1.5 TB/s on an
+H200, because a narrow output (1024 features) leaves few programs and few bytes in flight per SM, while a wide one
+(the merged GDN input projection, 6,000+ features) wants wider tiles of fewer K steps.
 
 The arithmetic is a dot product per output in float32, cast to x's dtype at the end, as cuBLAS computes a bfloat16
 GEMM (the sum is taken in another order). `use_gemv(model)` routes a model's bias-free linear layers (and merged
@@ -15,6 +19,7 @@ projections) through `linear`, which takes this kernel for at most MAX_ROWS rows
 
 from __future__ import annotations
 
+import os
 from types import MethodType
 
 import torch
@@ -28,8 +33,9 @@ from torch import nn
 MAX_ROWS = 4
 # Wider outputs (lm_head's vocabulary) already keep every SM busy under cuBLAS.
 MAX_OUT_FEATURES = 65536
-BLOCK_N = 8
-BLOCK_K = 512
+# (BLOCK_N, BLOCK_K, num_warps, num_stages): from few rows with long K tiles to wide tiles with short ones.
+TILES = ((8, 512, 4, 4), (4, 1024, 4, 3), (8, 1024, 8, 3), (16, 256, 4, 4), (16, 512, 4, 3), (32, 256, 4, 3),
+         (32, 256, 8, 4), (64, 128, 4, 4))  # fmt: skip
 
 
 @triton.jit
@@ -53,8 +59,18 @@ def _gemv_kernel(
     tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=in_m[:, None] & in_n[None, :])
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [..., K] (at most MAX_ROWS rows in all) times weight [N, K] transposed: [..., N] in x's dtype."""
+# Triton's CPU interpreter (kernel development without a GPU) cannot time a tile: it is given the first only.
+_AUTOTUNE_TILES = TILES[:1] if os.environ.get("TRITON_INTERPRET") == "1" else TILES
+_gemv_autotuned = triton.autotune(
+    configs=[triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s) for n, k, w, s in _AUTOTUNE_TILES],
+    key=["out_features", "in_features", "BLOCK_M"],
+)(_gemv_kernel)
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, tile: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+    """x [..., K] (at most MAX_ROWS rows in all) times weight [N, K] transposed: [..., N] in x's dtype.
+
+    `tile`: one of TILES instead of the autotuned one (the tests run every tile the autotuner may pick)."""
     rows = x.reshape(-1, x.shape[-1])
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
@@ -67,12 +83,15 @@ def gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         )
     y = torch.empty(num_rows, out_features, dtype=x.dtype, device=x.device)
     if num_rows:
-        _gemv_kernel[(triton.cdiv(out_features, BLOCK_N),)](
-            rows, weight, y,
-            num_rows, out_features, in_features,
-            rows.stride(0), weight.stride(0), y.stride(0),
-            BLOCK_M=triton.next_power_of_2(num_rows), BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=4, num_stages=4,
-        )  # fmt: skip
+        args = (rows, weight, y, num_rows, out_features, in_features, rows.stride(0), weight.stride(0), y.stride(0))
+        block_m = triton.next_power_of_2(num_rows)
+        if tile is None:
+            _gemv_autotuned[lambda meta: (triton.cdiv(out_features, meta["BLOCK_N"]),)](*args, BLOCK_M=block_m)
+        else:
+            block_n, block_k, num_warps, num_stages = tile
+            _gemv_kernel[(triton.cdiv(out_features, block_n),)](
+                *args, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages
+            )
     return y.view(*x.shape[:-1], out_features)
 
 
