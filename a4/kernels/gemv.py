@@ -7,10 +7,14 @@ TB/s memory, and the GDN `out_proj` and attention `o_proj` (2048 -> 1024) ran as
 decode step. Here each program owns BLOCK_N output features and streams their rows of W (BLOCK_N x BLOCK_K tiles,
 pipelined over K), keeping all M token rows' dot products in registers.
 
-The tile is autotuned per weight shape (`triton.autotune`, on the first call, which the graph runner's warm-up makes
-before capture): one fixed tile (8 x 512, 4 warps) read the 0.8B model's decode weights at only 1.5 TB/s on an
-H200, because a narrow output (1024 features) leaves few programs and few bytes in flight per SM, while a wide one
-(the merged GDN input projection, 6,000+ features) wants wider tiles of fewer K steps.
+The tile (TILE) and the layers that take the kernel were chosen by timing the 0.8B model's decode projections inside
+CUDA graphs on an H200, eight tiles side by side with cuBLAS (the GPU's time alone, bf16; solutions/REPORT.md §5):
+- 4 rows of W per program in 1024-wide K steps, 4 warps, 3 stages, was the fastest tile for every shape and row
+  count (the 8 x 512 tile of the first round was 10-40% slower); `tile=` runs another, for the tests and such timings;
+- for a narrow output (out_features <= in_features: `down_proj`, `out_proj`, `o_proj`, 1024 features) the kernel
+  beats cuBLAS by 1.4-3.8x at one row (3.3 us against 12.5 us for 2048 -> 1024); for a wide one (the merged input
+  projections, 5,000-8,000 features) cuBLAS is as fast at one row and twice as fast at four. So only narrow outputs
+  take the kernel. (Autotuning every shape instead compiled ~200 variants at graph capture: minutes of start-up.)
 
 The arithmetic is a dot product per output in float32, cast to x's dtype at the end, as cuBLAS computes a bfloat16
 GEMM (the sum is taken in another order). `use_gemv(model)` routes a model's bias-free linear layers (and merged
@@ -19,7 +23,6 @@ projections) through `linear`, which takes this kernel for at most MAX_ROWS rows
 
 from __future__ import annotations
 
-import os
 from types import MethodType
 
 import torch
@@ -31,11 +34,8 @@ from torch import nn
 # Rows a call may have to take the kernel: decode at batch 1 to 4, a batch-1 verify step of up to 3 drafts. With
 # more rows cuBLAS's GEMM tiles do better.
 MAX_ROWS = 4
-# Wider outputs (lm_head's vocabulary) already keep every SM busy under cuBLAS.
-MAX_OUT_FEATURES = 65536
-# (BLOCK_N, BLOCK_K, num_warps, num_stages): from few rows with long K tiles to wide tiles with short ones.
-TILES = ((8, 512, 4, 4), (4, 1024, 4, 3), (8, 1024, 8, 3), (16, 256, 4, 4), (16, 512, 4, 3), (32, 256, 4, 3),
-         (32, 256, 8, 4), (64, 128, 4, 4))  # fmt: skip
+# (BLOCK_N, BLOCK_K, num_warps, num_stages), measured as the module docstring says.
+TILE = (4, 1024, 4, 3)
 
 
 @triton.jit
@@ -59,18 +59,11 @@ def _gemv_kernel(
     tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=in_m[:, None] & in_n[None, :])
 
 
-# Triton's CPU interpreter (kernel development without a GPU) cannot time a tile: it is given the first only.
-_AUTOTUNE_TILES = TILES[:1] if os.environ.get("TRITON_INTERPRET") == "1" else TILES
-_gemv_autotuned = triton.autotune(
-    configs=[triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s) for n, k, w, s in _AUTOTUNE_TILES],
-    key=["out_features", "in_features", "BLOCK_M"],
-)(_gemv_kernel)
 
-
-def gemv(x: torch.Tensor, weight: torch.Tensor, tile: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+def gemv(x: torch.Tensor, weight: torch.Tensor, tile: tuple[int, int, int, int] = TILE) -> torch.Tensor:
     """x [..., K] (at most MAX_ROWS rows in all) times weight [N, K] transposed: [..., N] in x's dtype.
 
-    `tile`: one of TILES instead of the autotuned one (the tests run every tile the autotuner may pick)."""
+    `tile`: (BLOCK_N, BLOCK_K, num_warps, num_stages), TILE unless another is timed or tested."""
     rows = x.reshape(-1, x.shape[-1])
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
@@ -83,22 +76,22 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, tile: tuple[int, int, int, int] 
         )
     y = torch.empty(num_rows, out_features, dtype=x.dtype, device=x.device)
     if num_rows:
-        args = (rows, weight, y, num_rows, out_features, in_features, rows.stride(0), weight.stride(0), y.stride(0))
-        block_m = triton.next_power_of_2(num_rows)
-        if tile is None:
-            _gemv_autotuned[lambda meta: (triton.cdiv(out_features, meta["BLOCK_N"]),)](*args, BLOCK_M=block_m)
-        else:
-            block_n, block_k, num_warps, num_stages = tile
-            _gemv_kernel[(triton.cdiv(out_features, block_n),)](
-                *args, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages
-            )
+        block_n, block_k, num_warps, num_stages = tile
+        _gemv_kernel[(triton.cdiv(out_features, block_n),)](
+            rows, weight, y,
+            num_rows, out_features, in_features,
+            rows.stride(0), weight.stride(0), y.stride(0),
+            BLOCK_M=triton.next_power_of_2(num_rows), BLOCK_N=block_n, BLOCK_K=block_k,
+            num_warps=num_warps, num_stages=num_stages,
+        )  # fmt: skip
     return y.view(*x.shape[:-1], out_features)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """F.linear(x, weight) without bias, through `gemv` where it is the faster of the two."""
-    few_rows = x.numel() <= MAX_ROWS * x.shape[-1] and weight.shape[0] <= MAX_OUT_FEATURES
-    if x.is_cuda and few_rows and weight.stride(1) == 1:
+    few_rows = x.numel() <= MAX_ROWS * x.shape[-1]
+    narrow = weight.shape[0] <= weight.shape[1]  # wider outputs (lm_head, the merged projections): cuBLAS
+    if x.is_cuda and few_rows and narrow and weight.stride(1) == 1:
         return gemv(x, weight)
     return F.linear(x, weight)
 
