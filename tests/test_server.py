@@ -369,6 +369,6 @@ def test_the_gpu_warm_up_leaves_the_engine_as_built(chat_model_dir):
     assert engine.runner.table_manager.available_size == free_slots
     assert engine.runner.allocator.num_free_pages == free_pages
     prompt = [5, 9, 200, 31, 7]
-    [req] = [engine.add_request(prompt, SamplingParams(max_new_tokens=6))]
+    req = engine.add_request(prompt, SamplingParams(max_new_tokens=6))
     engine.run([req])
     assert req.output_ids == hf_greedy(chat_model_dir, [prompt], 6)[0]
