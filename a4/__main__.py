@@ -30,6 +30,7 @@ from a4.core import Output, SamplingParams
 from a4.course.exercises import not_written_yet, stubs, unwritten_exercise
 from a4.dtypes import DTYPES
 from a4.engine.config import HYBRID_PREFIX_POLICIES
+from a4.models.weights import LOAD_FORMATS
 from a4.tiny_corpus import SYSTEM_PROMPT
 
 ARCHS = ("qwen3", "qwen3_5", "qwen3_5_moe")
@@ -153,6 +154,7 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--merge-projections", action=argparse.BooleanOptionalAction, **flag)
     engine.add_argument("--speculative-tokens", type=non_negative_int, **flag)
     engine.add_argument("--tensor-parallel-size", type=positive_int, **flag)
+    engine.add_argument("--load-format", choices=LOAD_FORMATS, **flag)
 
 
 def token_ids(text: str) -> list[int]:

@@ -48,6 +48,11 @@ One checkpoint is trained, not drawn: `tiny_checkpoint("qwen3_5", trained=True)`
 `a4/trained/qwen3_5-tiny/` with its tokenizer, written by `python -m a4.train_tiny` (which takes its configs from
 `resolved_configs` and its unused vision tower from `random_tensors`).
 
+`make_checkpoint(..., weights=False)` writes the two configs alone (no safetensors, no index): the directory of a
+model too large for the disk, whose weights `load_model(..., load_format="dummy")` draws in device memory from the
+same tensor plan (`tensor_plan`, `draw_tensor`, seed 0). On the CPU those are the weights that
+`make_checkpoint(..., seed=0, verify=False)` writes; a GPU's generator draws others of the same distribution.
+
 With `path=None` checkpoints are cached under `<repo>/.cache/checkpoints/<arch>-<preset>-<hash of all arguments>/`
 (`A4_CACHE_DIR` replaces `<repo>/.cache`). Writing goes to a temporary directory that is renamed into place, so two
 pytest workers building the same checkpoint at once both end up with one complete copy.
@@ -219,17 +224,18 @@ def _apply_overrides(
 Init = Callable[[torch.Generator, tuple[int, ...]], torch.Tensor]
 
 
+# Each Init draws on its generator's device: the same plan fills a model on a GPU (a4.models.weights.draw_weights).
 def normal(std: float, mean: float = 0.0) -> Init:
-    return lambda gen, shape: torch.randn(shape, generator=gen) * std + mean
+    return lambda gen, shape: torch.randn(shape, generator=gen, device=gen.device) * std + mean
 
 
 def uniform(low: float, high: float) -> Init:
-    return lambda gen, shape: torch.rand(shape, generator=gen) * (high - low) + low
+    return lambda gen, shape: torch.rand(shape, generator=gen, device=gen.device) * (high - low) + low
 
 
 def log_uniform_values(low: float, high: float) -> Init:
     """log(U(low, high)): A_log, whose exp is the per-head decay rate A."""
-    return lambda gen, shape: (torch.rand(shape, generator=gen) * (high - low) + low).log()
+    return lambda gen, shape: (torch.rand(shape, generator=gen, device=gen.device) * (high - low) + low).log()
 
 
 def fan_in(in_features: int) -> Init:
@@ -394,6 +400,16 @@ def _qwen3_5_tensors(config: dict[str, Any], moe: bool) -> Iterator[TensorSpec]:
     yield TensorSpec("mtp.norm.weight", (hidden,), ZERO_CENTRED_NORM)
 
 
+def arch_of(architecture: str) -> str:
+    """The `arch` whose checkpoints name this class in config.json's `architectures` (ARCHITECTURES read backwards)."""
+    for arch, name in ARCHITECTURES.items():
+        if name == architecture:
+            return arch
+    raise CheckpointError(
+        f"no tensor plan for architecture {architecture!r} (known: {sorted(ARCHITECTURES.values())})"
+    )
+
+
 def tensor_plan(arch: str, config: dict[str, Any]) -> list[TensorSpec]:
     """Every tensor of a checkpoint of `arch` with this config.json: name, shape and how it is drawn."""
     if arch == "qwen3":
@@ -403,15 +419,20 @@ def tensor_plan(arch: str, config: dict[str, Any]) -> list[TensorSpec]:
     raise CheckpointError(f"unknown architecture {arch!r} (known: {sorted(ARCHITECTURES)})")
 
 
-def _draw(spec: TensorSpec, seed: int) -> torch.Tensor:
+def draw_tensor(spec: TensorSpec, seed: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """One tensor of the plan in STORAGE_DTYPE, drawn on `device` by a generator seeded by (seed, its name).
+
+    On the CPU this is the tensor make_checkpoint writes, bit for bit. A GPU's generator (Philox) draws other values
+    of the same distribution.
+    """
     digest = hashlib.sha256(f"{seed}/{spec.name}".encode()).digest()
-    gen = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+    gen = torch.Generator(device=device).manual_seed(int.from_bytes(digest[:8], "little") >> 1)
     return spec.init(gen, spec.shape).to(STORAGE_DTYPE)
 
 
 def random_tensors(arch: str, config: dict[str, Any], seed: int, prefix: str = "") -> dict[str, torch.Tensor]:
     """The random tensors of a checkpoint of `arch` whose names start with `prefix`, as make_checkpoint draws them."""
-    return {spec.name: _draw(spec, seed) for spec in tensor_plan(arch, config) if spec.name.startswith(prefix)}
+    return {spec.name: draw_tensor(spec, seed) for spec in tensor_plan(arch, config) if spec.name.startswith(prefix)}
 
 
 # ------------------------------------------------------------------------------------------------------------ write
@@ -439,11 +460,16 @@ def _write_files(directory: Path, arch: str, config: dict[str, Any], generation:
     for k, shard in enumerate(shards, start=1):
         filename = f"model-{k:05d}-of-{len(shards):05d}.safetensors"
         # One shard in memory at a time: real-size checkpoints never hold the whole model.
-        save_file({spec.name: _draw(spec, seed) for spec in shard}, directory / filename, metadata={"format": "pt"})
+        tensors = {spec.name: draw_tensor(spec, seed) for spec in shard}
+        save_file(tensors, directory / filename, metadata={"format": "pt"})
         weight_map.update({spec.name: filename for spec in shard})
     total_size = sum(spec.nbytes for spec in plan)
     index = {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}
     (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    _write_configs(directory, config, generation)
+
+
+def _write_configs(directory: Path, config: dict[str, Any], generation: dict[str, Any]) -> None:
     (directory / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     (directory / "generation_config.json").write_text(json.dumps(generation, indent=2, sort_keys=True) + "\n")
 
@@ -466,6 +492,7 @@ def make_checkpoint(
     preset: str = "tiny",
     seed: int = 0,
     verify: bool | None = None,
+    weights: bool = True,
     **text_config_overrides: Any,
 ) -> Path:
     """Write a random-weight checkpoint directory and return its path.
@@ -477,13 +504,22 @@ def make_checkpoint(
         num_hidden_layers alone re-derives layer_types (full attention where (i + 1) % 4 == 0).
     verify: run the quality check in transformers after writing, moving on to seed + 1, + 2, ... while it fails;
         default: only for the tiny preset.
+    weights: False writes config.json and generation_config.json alone, for `load_format="dummy"`, which draws
+        seed 0's weights on the device; `seed` and `verify`, which choose weights, must then keep their defaults.
     """
     config, generation = resolved_configs(arch, preset, **text_config_overrides)
-    verify = preset == "tiny" if verify is None else verify
+    if not weights and (seed != 0 or verify):
+        raise CheckpointError(
+            f"weights=False writes no weights, so seed={seed} and verify={verify} choose nothing: "
+            "load_format='dummy' draws the weights of seed 0, unverified"
+        )
+    verify = weights and preset == "tiny" if verify is None else verify
     if path is None:
+        # Only a config-only directory adds `weights` to the key: it never shadows the full checkpoint of the same
+        # arguments, and the keys of the full checkpoints already cached stay what they were.
         key = _cache_key(
             arch=arch, preset=preset, seed=seed, verify=verify, overrides=text_config_overrides, config=config,
-            generation=generation,
+            generation=generation, **({} if weights else {"weights": False}),
         )
         target = cache_root() / f"{arch}-{preset}-{key}"
         if (target / "config.json").exists():
@@ -496,7 +532,9 @@ def make_checkpoint(
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     staging.chmod(0o755)  # mkdtemp's 0700 would survive the rename
     try:
-        if verify:
+        if not weights:
+            _write_configs(staging, config, generation)
+        elif verify:
             _write_first_varied(staging, arch, config, generation, seed)
         else:
             _write_files(staging, arch, config, generation, seed)

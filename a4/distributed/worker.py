@@ -58,6 +58,7 @@ class RankWorker:
             progress=False,
             merge_projections=config.merge_projections,
             shard=partial(shard_model, group=group),
+            load_format=config.load_format,
         )
         self.rank_config = rank_model_config(self.model_config, group.world_size)
         self.modules = {"model": model}
@@ -75,6 +76,7 @@ class RankWorker:
                 device=device,
                 merge_projections=config.merge_projections,
                 shard=partial(shard_model, group=self.group),
+                load_format=config.load_format,
             )[0]
         draft_kv_layers = setup.kv_layers - len(self.model_config.full_attention_layers)
         self.kv_pool = create_kv_pool(self.rank_config, setup.num_pages, setup.page_size, dtype, device,

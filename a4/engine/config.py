@@ -9,6 +9,7 @@ import torch
 
 from a4.dtypes import resolve_dtype
 from a4.models.registry import usable_device
+from a4.models.weights import weight_loader
 
 # How the prefix cache serves a hybrid model: "checkpoint" (hits only where a copy of the state was saved, notebook
 # 07) or "refuse" (no hits at all: always correct, never faster).
@@ -47,12 +48,17 @@ class EngineConfig:
     # Tensor parallelism (a4/distributed): the model split over this many processes, one per GPU (or all on the
     # CPU), rank 0 this one; each rank's memory plan is its share's. 1: no split.
     tensor_parallel_size: int = 1
+    # Where the weights come from (a4.models.weights.LOAD_FORMATS): "safetensors", the checkpoint's files; "dummy",
+    # random weights drawn on the device from config.json alone (a4.checkpoints' tensor plan; the MTP module's too),
+    # for benchmarks of models whose checkpoint the disk cannot hold. model_dir then needs no weight files.
+    load_format: str = "safetensors"
 
     def __post_init__(self) -> None:
         if not Path(self.model_dir).is_dir():
             raise ValueError(f"model_dir {str(self.model_dir)!r} is not a directory")
         resolve_dtype(self.dtype)
         usable_device(self.device)
+        weight_loader(self.load_format)
         for name in ("max_running_requests", "max_prefill_tokens", "page_size"):
             value = getattr(self, name)
             if not _is_int(value) or value <= 0:

@@ -67,6 +67,7 @@ class Engine:
             progress=progress,
             merge_projections=config.merge_projections,
             shard=shard,
+            load_format=config.load_format,
         )
         mtp = None
         if config.speculative_tokens and drafter is None:

@@ -21,7 +21,7 @@ back in as the next h.
 
 `load_mtp` loads the `mtp.*` tensors of a checkpoint (those notebook 02's key map skips for the main model) with
 a4's safetensors loader: every `mtp.*` key must fill a parameter, every parameter must be filled, and every other key
-is skipped unread.
+is skipped unread. With `load_format="dummy"` the same keys of the tensor plan are drawn at random instead.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from a4.layers.rope import RotaryEmbedding
 from a4.models.config import FULL_ATTENTION, ModelConfig
 from a4.models.qwen3_5 import Qwen3_5DecoderLayer, Qwen3_5ForConditionalGeneration
 from a4.models.registry import Shard, default_dtype, fuse_for_device
-from a4.models.weights import LoadReport, load_weights
+from a4.models.weights import LoadReport, weight_loader
 
 MTP_PREFIX = "mtp."
 
@@ -99,17 +99,19 @@ def load_mtp(
     progress: bool = False,
     merge_projections: bool | None = None,
     shard: Shard | None = None,
+    load_format: str = "safetensors",
 ) -> tuple[Qwen3_5MTP, LoadReport]:
     """The MTP module of the checkpoint in model_dir, on `device` in `dtype`, sharing `main`'s embedding and lm_head.
 
     Raises WeightLoadError, before reading any tensor, naming every `mtp.*` key that fills no parameter or has the
     wrong shape and every parameter no key fills (a checkpoint without an MTP module: all of them). The module comes
     back in eval mode, without gradients. `shard`: as for `load_model` (a tensor-parallel rank's share; `main` is
-    then that rank's share too).
+    then that rank's share too). `load_format`: as for `load_model` ("dummy": the plan's `mtp.*` tensors drawn).
     """
+    fill = weight_loader(load_format)
     with torch.device(device), default_dtype(dtype):
         mtp = Qwen3_5MTP(main.config, main)
-    report = load_weights(mtp, model_dir, key_map=mtp_key_map, device=device, dtype=dtype, progress=progress)
+    report = fill(mtp, model_dir, key_map=mtp_key_map, device=device, dtype=dtype, progress=progress)
     mtp.eval().requires_grad_(False)
     if shard is not None:
         shard(mtp, main.config)

@@ -17,7 +17,7 @@ from torch import nn
 from a4.dtypes import resolve_dtype
 from a4.kernels import triton_kernels_run_on
 from a4.models.config import ConfigError, ModelConfig, load_model_config
-from a4.models.weights import LoadReport, identity, load_weights
+from a4.models.weights import LoadReport, identity, weight_loader
 
 MODEL_REGISTRY: dict[str, str] = {
     "Qwen3ForCausalLM": "a4.models.qwen3:Qwen3ForCausalLM",
@@ -74,23 +74,26 @@ def load_model(
     progress: bool = True,
     merge_projections: bool | None = None,
     shard: Shard | None = None,
+    load_format: str = "safetensors",
 ) -> tuple[ModelConfig, nn.Module, LoadReport]:
     """Read config.json, build the registered model class on `device` in `dtype`, load its weights.
 
     A model class may define `checkpoint_key_map(key) -> str | None` (a staticmethod) to rename or skip checkpoint
     keys; without one, the keys are its parameter names. The model comes back in eval mode, without gradients, and
     with the fusions of `fuse_for_device`. `shard(model, config)`: a tensor-parallel rank keeps its share of the
-    loaded weights (a4/distributed/sharding.py), before the fusions.
+    loaded weights (a4/distributed/sharding.py), before the fusions. `load_format`: "safetensors" reads the
+    checkpoint's files; "dummy" reads none and draws random weights on `device` (a4.models.weights.draw_weights).
     """
+    fill = weight_loader(load_format)
     device = usable_device(device)
     dtype = resolve_dtype(dtype)
     config = load_model_config(model_dir)
     cls = model_class(config.architecture)
-    # The random initialisation is overwritten by the checkpoint; it costs a little time, not correctness.
+    # The random initialisation is overwritten by the checkpoint (or the plan's draw); it costs a little time.
     with torch.device(device), default_dtype(dtype):
         model = cls(config)
     key_map: Callable[[str], str | None] = getattr(cls, "checkpoint_key_map", identity)
-    report = load_weights(model, model_dir, key_map=key_map, device=device, dtype=dtype, progress=progress)
+    report = fill(model, model_dir, key_map=key_map, device=device, dtype=dtype, progress=progress)
     model.eval().requires_grad_(False)
     if shard is not None:
         shard(model, config)

@@ -16,6 +16,11 @@ Nothing loads silently wrong: a file that is not a complete safetensors file (an
 index, a key the index puts in a file that lacks it, a weight stored as integers or booleans (cast to float it would
 load, and the model would emit token 0 for ever) and a NaN or infinite weight are all WeightLoadErrors that name the
 file and the tensor.
+
+Without weight files (`load_format="dummy"`, vLLM's name) `draw_weights` fills the model from config.json alone: each
+tensor drawn at random on the device from the tensor plan of a4.checkpoints, the plan's names going through the same
+key map and the same checks as a checkpoint's keys. It is for models whose checkpoint would not fit on the disk (a
+benchmark of Qwen3.5-35B-A3B's shapes); on the CPU it gives the weights `make_checkpoint` would write.
 """
 
 from __future__ import annotations
@@ -33,6 +38,8 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 from tqdm.auto import tqdm
 
+from a4.checkpoints import arch_of, draw_tensor, tensor_plan
+
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 
@@ -49,18 +56,26 @@ class WeightLoadError(ValueError):
 
 @dataclass
 class LoadReport:
-    """What load_weights did: checkpoint keys loaded and skipped, and their size on disk."""
+    """What load_weights did: checkpoint keys loaded and skipped, their size on disk and the files read. Or what
+    draw_weights did (`random_seed` set): the plan's keys drawn and skipped, their size in a checkpoint, no files."""
 
     loaded_keys: list[str] = field(default_factory=list)
     skipped_keys: list[str] = field(default_factory=list)
     loaded_bytes: int = 0
     skipped_bytes: int = 0
     files: list[str] = field(default_factory=list)
+    random_seed: int | None = None
 
     def summary(self) -> str:
+        skipped = f"skipped {len(self.skipped_keys)} ({self.skipped_bytes / 2**20:.1f} MiB)"
+        if self.random_seed is not None:
+            return (
+                f"drew {len(self.loaded_keys)} random tensors ({self.loaded_bytes / 2**20:.1f} MiB in a checkpoint) "
+                f"with seed {self.random_seed}, read no file; {skipped}"
+            )
         return (
             f"loaded {len(self.loaded_keys)} tensors ({self.loaded_bytes / 2**20:.1f} MiB) from "
-            f"{len(self.files)} file(s); skipped {len(self.skipped_keys)} ({self.skipped_bytes / 2**20:.1f} MiB)"
+            f"{len(self.files)} file(s); {skipped}"
         )
 
 
@@ -140,6 +155,60 @@ def tied_aliases(model: nn.Module) -> set[str]:
     return {name for name, _ in model.named_parameters(remove_duplicate=False)} - dict(model.named_parameters()).keys()
 
 
+class _Fit:
+    """Checkpoint keys against a model's tensors, one key at a time (from the files' headers or from a tensor plan):
+    every problem collected, to be raised together by `check`, and the report counted."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        targets: dict[str, torch.Tensor],
+        key_map: Callable[[str], str | None],
+        report: LoadReport,
+    ) -> None:
+        self.model, self.targets, self.key_map, self.report = model, targets, key_map, report
+        self.aliases = tied_aliases(model)
+        self.problems: list[str] = []
+        self.source_of: dict[str, str] = {}  # model tensor name -> the checkpoint key that fills it
+
+    def match(self, key: str, shape: tuple[int, ...], nbytes: int) -> str | None:
+        """The model tensor `key` fills; None if the key map skips it (counted as skipped) or it fits none (a
+        problem). The caller counts a match it keeps with `take`."""
+        name = self.key_map(key)
+        if name is None or name in self.aliases:
+            self.report.skipped_keys.append(key)
+            self.report.skipped_bytes += nbytes
+            return None
+        target = self.targets.get(name)
+        if target is None:
+            self.problems.append(f"unexpected: {key} {shape}" + (f" (mapped to {name})" if name != key else ""))
+            return None
+        if name in self.source_of:
+            self.problems.append(f"loaded twice: {name} from both {self.source_of[name]} and {key}")
+            return None
+        self.source_of[name] = key
+        if shape != tuple(target.shape):
+            model_shape = tuple(target.shape)
+            self.problems.append(f"wrong shape: {key} is {shape} in the checkpoint, {model_shape} in the model")
+            return None
+        return name
+
+    def take(self, key: str, nbytes: int) -> None:
+        self.report.loaded_keys.append(key)
+        self.report.loaded_bytes += nbytes
+
+    def check(self, source: str) -> None:
+        """Raise WeightLoadError listing every problem, each model tensor that no key fills included."""
+        problems = self.problems + [
+            f"missing: {name} {tuple(t.shape)}" for name, t in self.targets.items() if name not in self.source_of
+        ]
+        if problems:
+            listing = "".join(f"\n  {problem}" for problem in problems)
+            raise WeightLoadError(
+                f"{source} does not fit {type(self.model).__name__} ({len(problems)} problems):{listing}"
+            )
+
+
 # file -> [(checkpoint key, model tensor name)] of the tensors to read from it
 Reads = dict[Path, list[tuple[str, str]]]
 
@@ -151,47 +220,28 @@ def plan_reads(
     key_map: Callable[[str], str | None],
 ) -> tuple[Reads, LoadReport]:
     """Check every checkpoint header against the model's tensors; raise WeightLoadError listing all problems."""
-    aliases = tied_aliases(model)
     report = LoadReport(files=[path.name for path in files])
+    fit = _Fit(model, targets, key_map, report)
     reads: Reads = defaultdict(list)
-    problems: list[str] = []
-    source_of: dict[str, str] = {}  # model tensor name -> the checkpoint key that fills it
     for path, keys in files.items():
         with open_safetensors(path) as f:
             stored = set(f.keys())
             for key in keys:
                 if key not in stored:
-                    problems.append(f"not in file: {key} ({INDEX_FILE} maps it to {path.name}, which lacks it)")
+                    fit.problems.append(f"not in file: {key} ({INDEX_FILE} maps it to {path.name}, which lacks it)")
                     continue
                 meta = f.get_slice(key)  # the header only: the data stays on disk
                 shape, dtype = tuple(meta.get_shape()), meta.get_dtype()
                 nbytes = prod(shape) * _DTYPE_BYTES.get(dtype, 0)
-                name = key_map(key)
-                if name is None or name in aliases:
-                    report.skipped_keys.append(key)
-                    report.skipped_bytes += nbytes
+                name = fit.match(key, shape, nbytes)
+                if name is None:
                     continue
-                target = targets.get(name)
-                if target is None:
-                    problems.append(f"unexpected: {key} {shape}" + (f" (mapped to {name})" if name != key else ""))
+                if dtype not in FLOAT_DTYPES:
+                    fit.problems.append(f"wrong dtype: {key} is {dtype} in {path.name}; weights must be floating point")
                     continue
-                if name in source_of:
-                    problems.append(f"loaded twice: {name} from both {source_of[name]} and {key}")
-                    continue
-                source_of[name] = key
-                if shape != tuple(target.shape):
-                    model_shape = tuple(target.shape)
-                    problems.append(f"wrong shape: {key} is {shape} in the checkpoint, {model_shape} in the model")
-                elif dtype not in FLOAT_DTYPES:
-                    problems.append(f"wrong dtype: {key} is {dtype} in {path.name}; weights must be floating point")
-                else:
-                    reads[path].append((key, name))
-                    report.loaded_keys.append(key)
-                    report.loaded_bytes += nbytes
-    problems += [f"missing: {name} {tuple(t.shape)}" for name, t in targets.items() if name not in source_of]
-    if problems:
-        listing = "".join(f"\n  {problem}" for problem in problems)
-        raise WeightLoadError(f"checkpoint does not fit {type(model).__name__} ({len(problems)} problems):{listing}")
+                reads[path].append((key, name))
+                fit.take(key, nbytes)
+    fit.check("checkpoint")
     return dict(reads), report
 
 
@@ -230,3 +280,56 @@ def load_weights(
         listing = "".join(f"\n  {problem}" for problem in non_finite)
         raise WeightLoadError(f"checkpoint {model_dir} has weights that are not finite numbers:{listing}")
     return report
+
+
+def draw_weights(
+    model: nn.Module,
+    model_dir: str | Path,
+    *,
+    key_map: Callable[[str], str | None] = identity,
+    device: torch.device | str,
+    dtype: torch.dtype,
+    progress: bool = True,
+    seed: int = 0,
+) -> LoadReport:
+    """load_weights without weight files: fill `model` with random tensors from the tensor plan of the architecture
+    config.json names (a4.checkpoints), drawn on `device`, and return what was drawn.
+
+    Each tensor is drawn as the checkpoint writer draws it (`draw_tensor`: its own generator seeded by (seed, name),
+    float32 rounded to the checkpoints' bfloat16), so on the CPU the model holds the weights of
+    `make_checkpoint(..., seed=seed, verify=False)` in `dtype`. The plan's names go through `key_map` and the checks
+    of load_weights before anything is drawn: a tensor of the model that no plan entry fills is a WeightLoadError
+    naming it. One tensor at a time: peak memory is the model and one tensor's draw.
+    """
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    arch = arch_of(config["architectures"][0])
+    targets = loadable_tensors(model)
+    report = LoadReport(random_seed=seed)
+    fit = _Fit(model, targets, key_map, report)
+    draws = []
+    for spec in tensor_plan(arch, config):
+        name = fit.match(spec.name, spec.shape, spec.nbytes)
+        if name is not None:
+            draws.append((spec, name))
+            fit.take(spec.name, spec.nbytes)
+    fit.check(f"the {arch} tensor plan of a4.checkpoints (load_format='dummy')")
+    bar = tqdm(total=len(draws), desc="drawing random weights", unit="tensor", disable=not progress)
+    with bar, torch.no_grad():
+        for spec, name in draws:
+            # copy_ casts to the parameter's dtype: no second full-size copy of the draw.
+            targets[name].copy_(draw_tensor(spec, seed, device))
+            bar.update()
+    return report
+
+
+# How load_model fills a model, by `load_format`: the checkpoint's safetensors files, or random weights drawn on the
+# device from config.json alone ("dummy", as vLLM names it).
+WEIGHT_LOADERS: dict[str, Callable[..., LoadReport]] = {"safetensors": load_weights, "dummy": draw_weights}
+LOAD_FORMATS = tuple(WEIGHT_LOADERS)
+
+
+def weight_loader(load_format: str) -> Callable[..., LoadReport]:
+    """load_weights or draw_weights, by `load_format`; a ValueError naming any other value."""
+    if not isinstance(load_format, str) or load_format not in WEIGHT_LOADERS:
+        raise ValueError(f"unknown load_format {load_format!r} (expected one of {LOAD_FORMATS})")
+    return WEIGHT_LOADERS[load_format]

@@ -150,4 +150,5 @@ def load_mtp_module(config, model_config, model: torch.nn.Module, shard=None) ->
         device=config.torch_device,
         merge_projections=config.merge_projections,
         shard=shard,
+        load_format=config.load_format,
     )[0]
