@@ -92,7 +92,8 @@ def test_engine_fraction_of_floor_arithmetic():
     workload = engine.Workload(100, 10, (10, 30), new_tokens=4, repeats=1, copy_bytes=1)
     floor = {
         "gemm_flop_per_s": 1e9, "copy_bytes_per_s": 1e9, "weight_bytes": 10**6, "non_embedding_params": 10**5,
-        "state_bytes_per_request": 1000, "kv_bytes_per_token": 10,
+        "state_bytes_per_request": 1000, "kv_bytes_per_token": 10, "routed_expert_params": 0, "num_experts": 0,
+        "experts_per_token": 0, "bytes_per_param": 4,
     }  # fmt: skip
     # By hand: prefill 2 * 1e5 * 100 FLOP = 20 ms at the GEMM rate, measured 40 ms. Decode batch 1 reads 1e6 + 1000
     # + 10 * (10 + 4 / 2) bytes = 1.00112 ms at the bandwidth, measured 4x that; batch 2 (prompts of 10 and 30, mean
@@ -100,6 +101,23 @@ def test_engine_fraction_of_floor_arithmetic():
     tokens_per_s = {"prefill": 100 / 0.040, "decode batch 1": 1 / 4.00448e-3, "decode batch 8": 2 / 2.00488e-3}
     fractions = engine.fraction_of_floor(tokens_per_s, floor, workload)
     assert fractions == pytest.approx({"prefill": 0.5, "decode batch 1": 0.25, "decode batch 8": 0.5})
+
+
+def test_moe_floor_counts_only_the_chosen_experts():
+    from a4.bench._floor import ModelBytes
+
+    model = ModelBytes(weight_bytes=10**9, non_embedding_params=4 * 10**8, state_bytes_per_request=0,
+                       kv_bytes_per_token=0, routed_expert_params=2 * 10**8, num_experts=4, experts_per_token=1,
+                       bytes_per_param=4)  # fmt: skip
+    # By hand: the experts are 8e8 of the 1e9 bytes. One token reads 1 of the 4 experts (2e8 bytes) besides the 2e8
+    # of other weights; two tokens leave each expert unread with probability (3/4)^2, so read 8e8 * 7/16 = 3.5e8.
+    assert model.decode_bytes(1, context=0) == pytest.approx(4e8)
+    assert model.decode_bytes(2, context=0) == pytest.approx(5.5e8)
+    # A prefill token multiplies 2e8 non-expert parameters and a quarter of the 2e8 expert ones: 2 * 2.5e8 FLOP.
+    assert model.prefill_flop(10) == pytest.approx(10 * 2 * 2.5e8)
+    dense = ModelBytes(10**9, 4 * 10**8, 0, 0, routed_expert_params=0, num_experts=0, experts_per_token=0,
+                       bytes_per_param=2)  # fmt: skip
+    assert dense.decode_bytes(2, context=0) == 10**9 and dense.prefill_flop(10) == 10 * 2 * 4e8
 
 
 def test_spec_report_is_complete_and_consistent(tmp_path, capsys):
@@ -196,6 +214,7 @@ def synthetic_gpu_parts() -> dict:
     floor = {
         "device": "NVIDIA H200", "hbm_bytes_per_s": 1e12, "bf16_flop_per_s": 1e14, "weight_bytes": 10**9,
         "non_embedding_params": 5 * 10**8, "state_bytes_per_request": 10**6, "kv_bytes_per_token": 1000,
+        "routed_expert_params": 0, "num_experts": 0, "experts_per_token": 0, "bytes_per_param": 2,
     }  # fmt: skip
     # By hand: decode reads 1e9 + batch * (1e6 + 1000 * (100 + 20 / 2)) bytes at 1e12 B/s: 1.00111 ms at batch 1,
     # 1.00888 ms at batch 8; prefill 2 * 5e8 * tokens FLOP at 1e14 FLOP/s: 5.12 ms for 512 tokens, 20.48 ms for 2048.
@@ -268,6 +287,25 @@ def test_gpu_parts_run_on_the_cpu():
     assert floor["hbm_bytes_per_s"] > 0 and floor["bf16_flop_per_s"] > 0
     # The tiny model's bytes, independently: every parameter once, in bfloat16 (2 bytes).
     assert floor["weight_bytes"] == 2 * hf_text_model_parameters(model_dir)
+
+    spec = report["speculative"]
+    assert [(run["batch"], run["drafts_right"]) for run in spec["runs"]] == [
+        (batch, right) for batch in workload.spec_batches for right in (workload.spec_tokens, 0)
+    ]
+    for run in spec["runs"]:
+        # Oracle drafts from the plain run's own greedy tokens (bfloat16 on the CPU, where the verify pass computes
+        # what the decode step does): all right means all accepted, none right none.
+        assert run["acceptance_rate"] == (1.0 if run["drafts_right"] else 0.0)
+        assert (run["tokens_per_decode_step"] > 1) == bool(run["drafts_right"])
+        assert run["plain_tok_s"] > 0 and run["spec_tok_s"] > 0
+
+    moe = report["moe"]
+    assert moe["preset"] == workload.moe_preset and moe["launch_profile"] is None
+    assert set(moe["decode_ms"]) == set(moe["decode_floor_ms"]) == {str(b) for b in workload.moe_batches}
+    assert set(moe["prefill_ms"]) == {str(n) for n in workload.prefill_lens}
+    # The weights were drawn on the device, not read: the MoE model's bytes, independently, from transformers.
+    moe_dir = make_checkpoint(None, "qwen3_5_moe", preset=workload.moe_preset)
+    assert moe["weight_bytes"] == 2 * hf_text_model_parameters(moe_dir)
 
 
 def test_gpu_context_part_times_the_engines_graph_safe_decode(monkeypatch):

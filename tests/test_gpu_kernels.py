@@ -10,6 +10,9 @@
   contiguous rows and on strided heads;
 - the small-batch linear layer (`gemv`): 1 to 4 rows of 0.8B-shaped and odd-sized projections against a float64 matmul,
   strided rows, and `use_gemv`'s routing (more rows, or lm_head's width, stay with F.linear);
+- the routed experts of a mixture of experts (`moe`): against the students' FusedExperts (notebook 09) at the tiny
+  preset's, a wider and (on a GPU) 35B-A3B's shapes, one to 200 tokens, routing skewed onto few experts; captured in
+  a CUDA graph and replayed with new routing;
 - the fla prefill (where flash-linear-attention is importable): varlen batch, nonzero initial states from the pool,
   final states written back, against the token-by-token recurrence.
 
@@ -17,6 +20,7 @@ Skipped where CUDA is absent. For development without a GPU, A4_TRITON_INTERPRET
 Triton's interpreter (Triton importable, e.g. PYTHONPATH=$PWD:/path/to/triton): slow, and without the fla tests.
 """
 
+import copy
 import os
 
 import pytest
@@ -67,6 +71,7 @@ from a4.kernels.fla_prefill import (  # noqa: E402 - only where the kernels can 
 from a4.kernels.gdn_decode import conv_update_by_slot_, gated_delta_rule_update_by_slot_  # noqa: E402
 from a4.kernels.paged_attention import paged_decode_attention  # noqa: E402
 from a4.kernels.gemv import MAX_ROWS, TILE, gemv, linear, use_gemv  # noqa: E402
+from a4.kernels.moe import use_fused_experts  # noqa: E402
 from a4.kernels.rmsnorm import use_fused_norms  # noqa: E402
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -521,3 +526,97 @@ def test_linear_takes_the_kernel_only_for_a_few_rows_of_a_narrow_output(monkeypa
         assert calls == [layer.weight.shape] * 3
     with pytest.raises(ValueError, match="gemv"):
         gemv(x, layer.weight)
+
+
+# --------------------------------------------------------------------------------------------- mixture of experts
+
+# (experts, top k, hidden, intermediate): the tiny preset's, a wider one, and 35B-A3B's own on a GPU only (its
+# 256 x 1024 x 2048 weights are too slow for the interpreter).
+EXPERT_SHAPES = {"tiny": (8, 2, 64, 32), "wide": (32, 4, 256, 96)}
+if DEVICE == "cuda":
+    EXPERT_SHAPES["35b-a3b"] = (256, 8, 2048, 512)
+
+
+def random_experts(shape: str, dtype: torch.dtype):
+    """The students' FusedExperts (notebook 09, the reference) with random weights, and a kernel-routed copy."""
+    from a4.layers.moe import FusedExperts
+
+    num_experts, _, hidden, intermediate = EXPERT_SHAPES[shape]
+    reference = FusedExperts(num_experts, hidden, intermediate).to(DEVICE, dtype)
+    with torch.no_grad():
+        reference.gate_up_proj.copy_(randn(num_experts, 2 * intermediate, hidden, seed=1, scale=hidden**-0.5))
+        reference.down_proj.copy_(randn(num_experts, hidden, intermediate, seed=2, scale=intermediate**-0.5))
+    fused = copy.deepcopy(reference)
+    assert use_fused_experts(torch.nn.Sequential(fused)) == 1
+    return reference, fused
+
+
+def random_routing(num_tokens: int, shape: str, dtype: torch.dtype, skewed: bool = False):
+    """expert_ids [T, k] distinct per row and weights [T, k] summing to one; `skewed`: every token picks from the
+    first k + 1 experts, so that each expert's run is longer than a kernel block's 16 or 64 pairs."""
+    num_experts, top_k, _, _ = EXPERT_SHAPES[shape]
+    scores = torch.rand(num_tokens, top_k + 1 if skewed else num_experts, generator=gen(num_tokens), device=DEVICE)
+    expert_ids = scores.topk(top_k, dim=-1).indices
+    weights = torch.rand(num_tokens, top_k, generator=gen(num_tokens + 1), device=DEVICE) + 0.1
+    return expert_ids, (weights / weights.sum(-1, keepdim=True)).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("num_tokens, skewed", [(1, False), (3, False), (40, False), (200, False), (150, True)])
+@pytest.mark.parametrize("shape", list(EXPERT_SHAPES))
+def test_fused_experts_match_the_students_module(shape, num_tokens, skewed, dtype):
+    reference, fused = random_experts(shape, dtype)
+    x = randn(num_tokens, EXPERT_SHAPES[shape][2], dtype=dtype, seed=3)
+    expert_ids, weights = random_routing(num_tokens, shape, dtype, skewed)
+    with torch.no_grad():
+        actual, expected = fused(x, expert_ids, weights), reference(x, expert_ids, weights)
+    assert actual.dtype == dtype and actual.shape == x.shape
+    # float32: sums in another order; bfloat16: the module rounds gate, up, each expert's output and the running
+    # sum to bfloat16, the kernels only silu(gate) * up and the result.
+    allowed = {torch.float32: dict(atol=1e-5, rtol=1e-4), torch.bfloat16: dict(atol=3e-2, rtol=3e-2)}[dtype]
+    torch.testing.assert_close(actual, expected, **allowed)
+    # float32 stays float32 (TF32 would be ~1e-3 off): 2048-long dot products in another order differ by ~1e-6.
+    assert rel_err(actual, expected) < (1e-5 if dtype == torch.float32 else 1e-2)
+
+
+@pytest.mark.parametrize("num_tokens", [1, 5, 64])
+def test_expert_runs_are_the_students_groups_kept_on_the_device(num_tokens):
+    from a4.kernels.moe import expert_runs
+    from a4.layers.moe import group_by_expert
+
+    expert_ids, _ = random_routing(num_tokens, "wide", torch.float32)
+    num_experts = EXPERT_SHAPES["wide"][0]
+    groups = group_by_expert(expert_ids, num_experts)
+    runs = expert_runs(expert_ids, num_experts)
+    active = len(groups.experts)
+    assert runs.pairs.tolist() == groups.pairs.tolist()
+    assert runs.experts[:active].tolist() == groups.experts and runs.counts[:active].tolist() == groups.counts
+    assert runs.starts[:active].tolist() == [sum(groups.counts[:i]) for i in range(active)]
+    assert runs.experts.numel() == min(expert_ids.numel(), num_experts) and not runs.counts[active:].any()
+
+
+def test_fused_experts_reject_weights_that_do_not_fit():
+    _, fused = random_experts("tiny", torch.float32)
+    x = randn(2, EXPERT_SHAPES["tiny"][2] + 1, seed=4)
+    expert_ids, weights = random_routing(2, "tiny", torch.float32)
+    with pytest.raises(ValueError, match="fused_experts"):
+        fused(x, expert_ids, weights)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need CUDA")
+def test_fused_experts_capture_in_a_cuda_graph_and_replay_with_new_routing():
+    reference, fused = random_experts("wide", torch.bfloat16)
+    x = randn(4, EXPERT_SHAPES["wide"][2], dtype=torch.bfloat16, seed=5)
+    expert_ids, weights = random_routing(4, "wide", torch.bfloat16)
+    with torch.no_grad():
+        fused(x, expert_ids, weights)  # compile before capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = fused(x, expert_ids, weights)
+        for seed in (6, 7):
+            new_ids, new_weights = random_routing(4 + seed, "wide", torch.bfloat16)
+            expert_ids.copy_(new_ids[:4])
+            weights.copy_(new_weights[:4])
+            x.copy_(randn(4, EXPERT_SHAPES["wide"][2], dtype=torch.bfloat16, seed=seed))
+            graph.replay()
+            torch.testing.assert_close(out, reference(x, expert_ids, weights), atol=3e-2, rtol=3e-2)

@@ -1,9 +1,12 @@
 """The floor of a step: what the hardware needs at the least to run it, measured on the machine that runs it.
 
 - Decode is memory-bound: a step reads every weight once, and each running request's state and KV; its floor is
-  those bytes over the memory bandwidth (a large device-to-device copy, read plus written bytes per second).
+  those bytes over the memory bandwidth (a large device-to-device copy, read plus written bytes per second). Of a
+  mixture of experts' routed experts a step reads only those its tokens chose: with routing spread evenly over the
+  E experts (as random weights route), a batch of B tokens choosing k each touches E * (1 - (1 - k / E)^B) of them.
 - Prefill is compute-bound: a step multiplies every token by every weight outside the embedding (2 FLOP per weight
-  per token); its floor is those FLOP over the machine's matrix-multiply rate (one GEMM, timed).
+  per token), of a mixture of experts' routed experts by its k of E; its floor is those FLOP over the machine's
+  matrix-multiply rate (one GEMM, timed).
 
 A step's fraction of its floor is floor time / measured time: 1.0 means the hardware ran flat out. Underscored: not
 a benchmark of its own (see `_timing`).
@@ -29,6 +32,12 @@ class ModelBytes:
     non_embedding_params: int  # what each prompt token is multiplied by (the logits are of one token only)
     state_bytes_per_request: int  # a hybrid model's GDN states of one request (0 without GDN layers)
     kv_bytes_per_token: int  # K and V of one token in every full-attention layer
+    # A mixture of experts: the routed experts' parameters (every layer's), experts per layer and the number each
+    # token chooses; all 0 for a dense model. And the bytes of one parameter, which the weights are stored in.
+    routed_expert_params: int
+    num_experts: int
+    experts_per_token: int
+    bytes_per_param: int
 
     @staticmethod
     def of(model: torch.nn.Module, config: ModelConfig, dtype: torch.dtype) -> ModelBytes:
@@ -45,15 +54,30 @@ class ModelBytes:
             ),
             state_bytes_per_request=pool_class.bytes_per_slot(config, dtype) if pool_class else 0,
             kv_bytes_per_token=MemoryLedger.from_config(config, dtype).kv_bytes_per_token,
+            routed_expert_params=sum(p.numel() for name, p in params.items() if ".experts." in name),
+            num_experts=config.num_experts if config.is_moe else 0,
+            experts_per_token=config.num_experts_per_tok if config.is_moe else 0,
+            bytes_per_param=dtype.itemsize,
         )
 
+    def unused_expert_params(self, tokens: int) -> float:
+        """The routed experts' parameters that `tokens` tokens leave unread, expected: each token takes k of the E
+        experts of a layer, so with routing spread evenly an expert escapes all of them with (1 - k / E)^tokens."""
+        if not self.num_experts:
+            return 0.0
+        return self.routed_expert_params * (1 - self.experts_per_token / self.num_experts) ** tokens
+
     def decode_bytes(self, batch: int, context: float) -> float:
-        """Bytes one decode step reads at least: the weights, and each request's state and the KV of its context."""
-        return self.weight_bytes + batch * (self.state_bytes_per_request + self.kv_bytes_per_token * context)
+        """Bytes one decode step reads at least: the weights (of the routed experts, the share a batch of this many
+        tokens chooses), and each request's state and the KV of its context."""
+        weights = self.weight_bytes - self.unused_expert_params(batch) * self.bytes_per_param
+        return weights + batch * (self.state_bytes_per_request + self.kv_bytes_per_token * context)
 
     def prefill_flop(self, tokens: int) -> float:
-        """FLOP of a prefill's weight GEMMs (attention's own work, which grows with the square of the prompt, aside)."""
-        return 2 * self.non_embedding_params * tokens
+        """FLOP of a prefill's weight GEMMs (attention's own work, which grows with the square of the prompt, aside);
+        each token goes through k of a layer's E routed experts."""
+        unused_share = 1 - self.experts_per_token / self.num_experts if self.num_experts else 0.0
+        return 2 * (self.non_embedding_params - self.routed_expert_params * unused_share) * tokens
 
 
 def copy_bytes_per_second(num_bytes: int, device: torch.device, repeats: int) -> float:

@@ -12,7 +12,13 @@ compiled kernels or imported modules:
   each as the engine's decode step runs it (graph-safe: the GDN state updated by slot, attention through the engine's
   backend);
 - throughput: offline throughput in nano-vllm's benchmark shape (256 requests queued at once, prompt and output
-  lengths uniform in [100, 1024], seed 0, `ignore_eos`, room for every request), input and output tokens per second.
+  lengths uniform in [100, 1024], seed 0, `ignore_eos`, room for every request), input and output tokens per second;
+- spec: speculative decoding captured, k = 3 oracle drafts per step taken from a plain run's own greedy tokens (all
+  right) or made wrong (none right), decode tokens per second against plain decode at batch 1 and 8 (random weights
+  draft nothing useful, so acceptance is forced), with the acceptance measured;
+- moe: Qwen3.5-35B-A3B's shapes (`qwen3_5_moe-35b-a3b`, ~70 GB in bf16) through the engine with CUDA graphs, its
+  random weights built on the GPU from config.json (`load_format="dummy"`: no checkpoint on disk, which the H200's
+  64 GiB would not hold), prefill and decode timed as a4's (batch 1, 8, 32) and profiled at batch 1.
 
 Each system prefills one 512- and one 2,048-token prompt (median of 5 after a warm-up, one new token) and decodes at
 batch 1, 8, 32, 64 and 128 (prompts of 128 tokens, median of 40 steps; a step is timed as in `bench engine`). The
@@ -23,7 +29,8 @@ its calls is captured in a CUDA graph where it can be (the figure is then the GP
 eagerly where it cannot; it is timed with CUDA events over 10 calls back to back.
 
 The floor of each time: decode, the bytes a step reads (the weights, each request's GDN state and the KV of its
-context, taken as the mean over the timed steps) at the copy bandwidth; prefill, its weight GEMMs
+context, taken as the mean over the timed steps; of a mixture of experts' routed experts only those the batch's
+tokens choose, `ModelBytes.decode_bytes`) at the copy bandwidth; prefill, its weight GEMMs
 (2 x non-embedding parameters x tokens) at the GEMM rate. The table gives the times, a4's speedup over each other
 system and the floor as a fraction of each time. Written to --out (default solutions/report/): <gpu>_gpu.json (the
 schema notebook 10 reads) and <gpu>_gpu.png, <gpu> from the device's name (h200); `--quick` (tiny shapes, a few
@@ -41,6 +48,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -59,7 +67,7 @@ DTYPE_NAME = "bfloat16"
 DTYPE = getattr(torch, DTYPE_NAME)
 GRAPHS = {"a4": True, "a4_no_graphs": False}  # the a4 systems and their `cuda_graphs`
 SYSTEMS = (*GRAPHS, "transformers", "transformers_fla")
-PARTS = ("floor", *SYSTEMS, "context", "throughput")
+PARTS = ("floor", *SYSTEMS, "context", "throughput", "spec", "moe")
 FLA_DISTRIBUTIONS = ("flash-linear-attention", "fla-core")
 MAX_PREFILL_TOKENS = 8192
 
@@ -79,6 +87,13 @@ class Workload:
     # The throughput part: nano-vllm's benchmark shape, prompt and output lengths uniform in throughput_lens.
     throughput_requests: int = 256
     throughput_lens: tuple[int, int] = (100, 1024)
+    # The spec part: batch sizes, drafts per step, new tokens per request (prompts of prompt_len).
+    spec_batches: tuple[int, ...] = (1, 8)
+    spec_tokens: int = 3
+    spec_new_tokens: int = 64
+    # The moe part: the Qwen3.5-MoE preset and its decode batch sizes (prefill_lens as the other systems).
+    moe_preset: str = "35b-a3b"
+    moe_batches: tuple[int, ...] = (1, 8, 32)
 
     @staticmethod
     def full() -> Workload:
@@ -92,6 +107,7 @@ class Workload:
         return Workload(
             "tiny", (32, 128), (1, 8), prompt_len=16, decode_steps=4, prefill_repeats=2, contexts=(256, 1024),
             repeats=3, copy_bytes=16 << 20, gemm_size=256, throughput_requests=8, throughput_lens=(8, 32),
+            spec_batches=(1, 2), spec_tokens=2, spec_new_tokens=6, moe_preset="tiny", moe_batches=(1, 2),
         )  # fmt: skip
 
     @property
@@ -103,14 +119,19 @@ class Workload:
 # ------------------------------------------------------------------------------------- one part, in its own process
 
 
-def run_part(part: str, model_dir: Path, workload: Workload, device: torch.device) -> dict:
-    """Measure one part (see the module docstring) on `device`; the CPU runs them too, for the tests."""
+def run_part(part: str, model_dir: Path | None, workload: Workload, device: torch.device) -> dict:
+    """Measure one part (see the module docstring) on `device`; the CPU runs them too, for the tests. `model_dir`:
+    the checkpoint of Qwen3.5 at workload.preset (unused by the moe part)."""
     if part == "floor":
         return measure_floor(model_dir, workload, device)
     if part == "context":
         return measure_context(model_dir, workload, device)
     if part == "throughput":
         return measure_throughput(model_dir, workload, device)
+    if part == "spec":
+        return measure_spec(model_dir, workload, device)
+    if part == "moe":
+        return measure_moe(workload, device)
     if part in SYSTEMS:
         return measure_system(part, model_dir, workload, device)
     raise ValueError(f"unknown part {part!r} (expected one of {', '.join(PARTS)})")
@@ -133,12 +154,21 @@ def measure_floor(model_dir: Path, workload: Workload, device: torch.device) -> 
 
 def measure_system(name: str, model_dir: Path, workload: Workload, device: torch.device) -> dict:
     """Prefill and decode times (ms) of one system; the a4 systems on CUDA add their launch profile."""
-    from a4.bench.engine import random_prompts
     from a4.models.config import load_model_config
 
     runner = make_runner(name, model_dir, workload, device)
-    config = load_model_config(model_dir)
-    lengths = (*workload.prefill_lens, *[workload.prompt_len] * max(workload.batches))
+    profile = name in GRAPHS and device.type == "cuda"
+    return time_runner(runner, load_model_config(model_dir), workload, workload.batches, device, profile)
+
+
+def time_runner(
+    runner, config, workload: Workload, batches: tuple[int, ...], device: torch.device, profile: bool
+) -> dict:
+    """Prefill (workload.prefill_lens) and decode (`batches`) times (ms) of a runner; with `profile`, the launch
+    profile of its batch-1 decode step."""
+    from a4.bench.engine import random_prompts
+
+    lengths = (*workload.prefill_lens, *[workload.prompt_len] * max(batches))
     prompts = random_prompts(lengths, config.vocab_size, config.eos_token_ids, seed=0)
     prefill_prompts, decode_prompts = prompts[: len(workload.prefill_lens)], prompts[len(workload.prefill_lens) :]
 
@@ -152,9 +182,9 @@ def measure_system(name: str, model_dir: Path, workload: Workload, device: torch
     result["decode_ms"] = {
         str(batch): statistics.median(runner.decode_step_seconds(decode_prompts[:batch], workload.decode_steps + 1))
         * 1e3
-        for batch in workload.batches
+        for batch in batches
     }
-    if name in GRAPHS and device.type == "cuda":
+    if profile:
         result["launch_profile"] = launch_profile(runner.llm.engine, decode_prompts[0], result["decode_ms"]["1"])
     return result
 
@@ -164,7 +194,6 @@ def measure_throughput(model_dir: Path, workload: Workload, device: torch.device
     """Offline throughput as nano-vllm's benchmark measures it: every request queued at once (`ignore_eos`, lengths
     drawn with seed 0), the engine with CUDA graphs and room for all of them, timed from the first to the last token."""
     import random
-    import time
 
     from a4 import LLM, SamplingParams
     from a4.bench.engine import random_prompts
@@ -196,6 +225,77 @@ def measure_throughput(model_dir: Path, workload: Workload, device: torch.device
         "input_tok_per_s": sum(input_lens) / seconds,
         "output_tok_per_s": output_tokens / seconds,
     }
+
+
+@torch.inference_mode()
+def measure_spec(model_dir: Path, workload: Workload, device: torch.device) -> dict:
+    """Speculative decoding with CUDA graphs (decode and verify captured): decode tokens per second of oracle drafts,
+    all right and none right, against plain decode of the same prompts, per batch size (see the module docstring)."""
+    from a4 import LLM, SamplingParams
+    from a4.bench.engine import random_prompts
+    from a4.models.config import load_model_config
+    from a4.speculative.drafter import OracleDrafter
+
+    config = load_model_config(model_dir)
+    k, new_tokens = workload.spec_tokens, workload.spec_new_tokens
+    runs = []
+    for batch in workload.spec_batches:
+        prompts = random_prompts([workload.prompt_len] * batch, config.vocab_size, config.eos_token_ids, seed=batch)
+        options = dict(
+            device=device, dtype=DTYPE_NAME, cuda_graphs=True, max_running_requests=max(workload.spec_batches),
+            max_prefill_tokens=MAX_PREFILL_TOKENS, enable_prefix_cache=False,
+        )  # fmt: skip
+        plain = LLM(model_dir, **options)
+        # The plain run's greedy tokens are the drafts: k more than decoded, for the last verify steps.
+        truth = plain.generate(prompts, SamplingParams(max_new_tokens=new_tokens + k, ignore_eos=True))
+        plain_rate, _ = decode_tokens_per_second(plain, prompts, new_tokens)
+        del plain
+        continuations = {tuple(p): out.token_ids for p, out in zip(prompts, truth)}
+        for correct in (k, 0):
+            drafter = OracleDrafter(continuations, correct=correct, vocab_size=config.vocab_size)
+            spec = LLM(model_dir, drafter=drafter, speculative_tokens=k, **options)
+            rate, counters = decode_tokens_per_second(spec, prompts, new_tokens)
+            runs.append(dict(batch=batch, drafts_right=correct, plain_tok_s=plain_rate, spec_tok_s=rate,
+                             speedup=rate / plain_rate, **counters))  # fmt: skip
+            del spec
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # one engine's pools at a time
+    return {"k": k, "new_tokens": new_tokens, "runs": runs}
+
+
+def decode_tokens_per_second(llm, prompts: list[list[int]], new_tokens: int) -> tuple[float, dict]:
+    """Tokens per second of decode (the prefill's first token and time left out) over a second run of the prompts,
+    the first one warming up (kernels compiled, the graphs' first replay); and the engine's speculation counters."""
+    from a4 import SamplingParams
+    from a4.engine.stats import EngineStats
+
+    params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
+    llm.generate(prompts, params)
+    llm.engine.stats = EngineStats()
+    llm.generate(prompts, params)
+    stats = llm.stats
+    return stats.decode_tokens_per_second, {
+        "acceptance_rate": stats.acceptance_rate,
+        "tokens_per_decode_step": stats.tokens_per_decode_step,
+    }
+
+
+def measure_moe(workload: Workload, device: torch.device) -> dict:
+    """a4 with CUDA graphs at Qwen3.5-MoE's shapes (workload.moe_preset), its random weights drawn where it runs:
+    prefill and decode times, the launch profile on CUDA, and the model's bytes for the floor."""
+    from a4.bench.engine import A4Runner
+    from a4.models.config import load_model_config
+
+    # config.json and generation_config.json only: the weights are drawn on the device (load_format="dummy").
+    model_dir = make_checkpoint(None, "qwen3_5_moe", preset=workload.moe_preset, weights=False)
+    start = time.perf_counter()
+    runner = A4Runner(model_dir, DTYPE_NAME, max_prefill_tokens=MAX_PREFILL_TOKENS, device=device,
+                      max_running_requests=max(workload.moe_batches), cuda_graphs=True, load_format="dummy")  # fmt: skip
+    print(f"moe part: the {workload.moe_preset} engine built in {time.perf_counter() - start:.0f} s", flush=True)
+    config = load_model_config(model_dir)
+    result = time_runner(runner, config, workload, workload.moe_batches, device, profile=device.type == "cuda")
+    return {**result, "preset": workload.moe_preset,
+            "model_bytes": asdict(ModelBytes.of(runner.llm.engine.model, config, DTYPE))}  # fmt: skip
 
 
 def make_runner(name: str, model_dir: Path, workload: Workload, device: torch.device):
@@ -338,9 +438,10 @@ def main(quick: bool = False, out_dir: Path | None = None, system: str | None = 
         block_kernel_packages()  # first: before anything imports transformers' model code
     workload = Workload.quick() if quick else Workload.full()
     out_dir = Path(out_dir) if out_dir is not None else DEFAULT_OUT_DIR
-    model_dir = make_checkpoint(None, "qwen3_5", preset=workload.preset)
     out_dir.mkdir(parents=True, exist_ok=True)
     if system is not None:
+        # The moe part draws its own weights; the others share one checkpoint on disk.
+        model_dir = None if system == "moe" else make_checkpoint(None, "qwen3_5", preset=workload.preset)
         result = run_part(system, model_dir, workload, torch.device("cuda"))
         (out_dir / f"{system}.json").write_text(json.dumps(result, indent=2) + "\n")
         return result
@@ -434,6 +535,10 @@ def assemble(parts: dict[str, dict], workload: Workload, meta: dict) -> dict:
     }
     if "throughput" in parts:
         report["throughput"] = parts["throughput"]
+    if "spec" in parts:
+        report["speculative"] = parts["spec"]
+    if "moe" in parts:
+        report["moe"] = moe_report(parts["moe"], floor, workload)
     if "context" in parts:
         report["decode_vs_context"] = {"context": list(workload.contexts), "batch": 1, **parts["context"]}
     report["launch_profile"] = [
@@ -442,6 +547,25 @@ def assemble(parts: dict[str, dict], workload: Workload, meta: dict) -> dict:
         if "launch_profile" in parts.get(name, {})
     ]
     return report
+
+
+def moe_report(part: dict, floor: dict, workload: Workload) -> dict:
+    """The moe part's times beside their floors, from the floor part's bandwidth and GEMM rate."""
+    model_bytes = ModelBytes(**part["model_bytes"])
+    return {
+        "preset": part["preset"],
+        "weight_bytes": model_bytes.weight_bytes,
+        "prefill_ms": part["prefill_ms"],
+        "decode_ms": part["decode_ms"],
+        "decode_floor_ms": {
+            batch: model_bytes.decode_bytes(int(batch), workload.decode_context) / floor["hbm_bytes_per_s"] * 1e3
+            for batch in part["decode_ms"]
+        },
+        "prefill_floor_ms": {
+            n: model_bytes.prefill_flop(int(n)) / floor["bf16_flop_per_s"] * 1e3 for n in part["prefill_ms"]
+        },
+        "launch_profile": part.get("launch_profile"),
+    }
 
 
 def rows(report: dict) -> list[tuple[str, str, str]]:
@@ -514,7 +638,27 @@ def print_table(report: dict) -> None:
             f"{part['output_tokens']:,} output tokens) in {part['seconds']:.1f} s: {part['input_tok_per_s']:,.0f} input "
             f"and {part['output_tok_per_s']:,.0f} output tok/s"
         )
-    for row in report["launch_profile"]:
+    if "speculative" in report:
+        part = report["speculative"]
+        print(f"\nspeculative decoding, CUDA graphs, k = {part['k']} oracle drafts, {part['new_tokens']} new tokens")
+        print(f"{'batch':>6}{'drafts right':>14}{'plain tok/s':>13}{'spec tok/s':>12}{'speed-up':>10}{'accepted':>10}")
+        for run in part["runs"]:
+            print(
+                f"{run['batch']:>6}{run['drafts_right']:>14}{run['plain_tok_s']:>13,.0f}{run['spec_tok_s']:>12,.0f}"
+                f"{run['speedup']:>9.2f}x{run['acceptance_rate']:>10.0%}"
+            )
+    if "moe" in report:
+        part = report["moe"]
+        print(f"\na4 at Qwen3.5-MoE-{part['preset']} shapes ({part['weight_bytes'] / 1e9:.1f} GB of weights), ms")
+        for kind in ("prefill", "decode"):
+            for key, ms in part[f"{kind}_ms"].items():
+                floor_time = part[f"{kind}_floor_ms"][key]
+                label = f"{kind} {key} tokens" if kind == "prefill" else f"decode batch {key}"
+                print(f"{label:<20}{ms:>10.2f}  floor {floor_time:.3f} ({floor_time / ms:.1%})")
+    profiles = [*report["launch_profile"]]
+    if report.get("moe", {}).get("launch_profile"):
+        profiles.append({"system": f"a4, MoE {report['moe']['preset']}", "batch": 1, **report["moe"]["launch_profile"]})
+    for row in profiles:
         print(
             f"\n{row['system']}, one decode step at batch {row['batch']}: {row['kernels']} GPU kernels running "
             f"{row['kernel_ms']:.2f} ms of a {row['wall_ms']:.2f} ms step ({row['kernel_ms'] / row['wall_ms']:.0%})"

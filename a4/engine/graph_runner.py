@@ -22,8 +22,8 @@ called eagerly, which is how CI tests everything above except the capture itself
 built by a4/engine/forward_batch.py's `static_forward_batch`. After mini-sglang's `engine/graph.py` and SGLang's
 `CudaGraphRunner`.
 
-Mixture-of-experts models run over the static buffers uncaptured: `group_by_expert` (notebook 09) splits the tokens
-by expert with sizes read on the host, which a graph cannot record (a fused grouped-GEMM kernel would lift this).
+A mixture of experts captures too: on CUDA its routed experts run as a4's kernels (a4/kernels/moe.py), which sort
+the tokens by expert on the device, where the students' `group_by_expert` (notebook 09) reads the sizes on the host.
 """
 
 from __future__ import annotations

@@ -113,9 +113,8 @@ class ModelRunner:
                 state_pool=self.state_pool,
                 backend=static_backend,
                 padding_slot=padding_slot,
-                # A mixture of experts splits its tokens by expert with sizes read on the host (graph_runner.py).
-                # Nor can a graph replay a tensor-parallel step, which starts with a broadcast to the other ranks.
-                capture=on_cuda and config.cuda_graphs is not False and not model_config.is_moe and tp is None,
+                # A graph cannot replay a tensor-parallel step, which starts with a broadcast to the other ranks.
+                capture=on_cuda and config.cuda_graphs is not False and tp is None,
             )
 
     def forward(self, batch: Batch, input_ids: list[int] | None = None, every_row: bool = False) -> ModelOutput:
