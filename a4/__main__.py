@@ -39,7 +39,7 @@ DEMO_TEXT_TOKENS = 48  # an answer, or a few sentences of a story
 DEMO_ID_TOKENS = 8
 DEFAULT_BENCH_OUT = Path("bench-out")
 # Options of one benchmark only: the option's name -> the benchmark that takes it.
-BENCH_OPTIONS = {"system": "gpu", "model_dir": "serve", "device": "serve", "base_url": "serve"}
+BENCH_OPTIONS = {"system": "gpu", "parts_dir": "gpu", "model_dir": "serve", "device": "serve", "base_url": "serve"}
 USAGE_ERROR = 2
 
 
@@ -114,6 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--out", type=Path, help=f"output directory (default: {DEFAULT_BENCH_OUT}; bench gpu: solutions/report)"
     )
     bench.add_argument("--system", help="bench gpu only: measure this one part in this process (as it runs each)")
+    bench.add_argument(
+        "--parts-dir", type=Path, help="bench gpu only: keep each part's JSON here, reusing those already here"
+    )
     bench.add_argument("--model-dir", type=Path, help="bench serve only: the checkpoint to serve (with a tokenizer)")
     bench.add_argument("--device", help="bench serve only: the server's device (cpu, cuda)")
     bench.add_argument("--base-url", help="bench serve only: a running server to measure instead of starting one")

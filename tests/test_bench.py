@@ -10,6 +10,7 @@ import os
 import statistics
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -333,6 +334,29 @@ def hf_text_model_parameters(model_dir) -> int:
 
     config = AutoConfig.from_pretrained(model_dir).get_text_config()
     return sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+
+
+def test_gpu_parts_dir_runs_only_the_parts_not_yet_measured(tmp_path, monkeypatch):
+    # A run cut short kept its parts' JSON: the next one runs only what is missing, each part in its own process.
+    monkeypatch.setattr(gpu, "installed_version", lambda distributions: None)  # no fla: no transformers_fla part
+    for part in gpu.PARTS:
+        if part not in ("transformers_fla", "moe"):
+            (tmp_path / f"{part}.json").write_text(json.dumps({"part": part}))
+    commands = []
+
+    def run(command):
+        commands.append(command)
+        folder = Path(command[command.index("--out") + 1])
+        (folder / f"{command[command.index('--system') + 1]}.json").write_text(json.dumps({"part": "moe, now"}))
+        return subprocess.CompletedProcess(command, 0)
+
+    monkeypatch.setattr(gpu.subprocess, "run", run)
+    parts = gpu.run_parts(quick=True, parts_dir=tmp_path)
+    assert [command[command.index("--system") + 1] for command in commands] == ["moe"]
+    assert commands[0][-1] == "--quick" and Path(commands[0][commands[0].index("--out") + 1]) == tmp_path
+    assert parts == {part: {"part": part} for part in gpu.PARTS if part not in ("transformers_fla", "moe")} | {
+        "moe": {"part": "moe, now"}
+    }
 
 
 def test_gpu_part_option_belongs_to_bench_gpu(capsys):

@@ -34,9 +34,10 @@ tokens choose, `ModelBytes.decode_bytes`) at the copy bandwidth; prefill, its we
 (2 x non-embedding parameters x tokens) at the GEMM rate. The table gives the times, a4's speedup over each other
 system and the floor as a fraction of each time. Written to --out (default solutions/report/): <gpu>_gpu.json (the
 schema notebook 10 reads) and <gpu>_gpu.png, <gpu> from the device's name (h200); `--quick` (tiny shapes, a few
-steps) writes <gpu>_gpu_quick.*.
+steps) writes <gpu>_gpu_quick.*. `--parts-dir DIR` keeps each part's JSON in DIR and reuses those already there, so
+that a run longer than one lease of a GPU can go on in the next.
 
-    python -m a4 bench gpu [--quick] [--out DIR]
+    python -m a4 bench gpu [--quick] [--out DIR] [--parts-dir DIR]
 """
 
 from __future__ import annotations
@@ -425,10 +426,13 @@ def as_cuda_graph(run: Callable[[], object], device: torch.device) -> tuple[Call
 # -------------------------------------------------------------------------------------------- the whole benchmark
 
 
-def main(quick: bool = False, out_dir: Path | None = None, system: str | None = None) -> dict:
+def main(
+    quick: bool = False, out_dir: Path | None = None, system: str | None = None, parts_dir: Path | None = None
+) -> dict:
     """Every part in its own process, then the table, <gpu>_gpu.json and .png in out_dir; returns the JSON.
 
-    With `system`, this process is one part's: it measures that part and writes out_dir/PART.json.
+    With `system`, this process is one part's: it measures that part and writes out_dir/PART.json. `parts_dir`: keep
+    each part's JSON there and reuse the ones already there (`run_parts`).
     """
     if not torch.cuda.is_available():
         raise Unavailable(
@@ -446,7 +450,7 @@ def main(quick: bool = False, out_dir: Path | None = None, system: str | None = 
         (out_dir / f"{system}.json").write_text(json.dumps(result, indent=2) + "\n")
         return result
 
-    parts = run_parts(quick)
+    parts = run_parts(quick, parts_dir)
     report = assemble(parts, workload, meta(parts["floor"]["device"], workload, "transformers_fla" in parts))
     print_table(report)
     stem = f"{device_slug(report['meta']['device'])}_gpu{'_quick' if quick else ''}"
@@ -454,21 +458,31 @@ def main(quick: bool = False, out_dir: Path | None = None, system: str | None = 
     return report
 
 
-def run_parts(quick: bool) -> dict[str, dict]:
-    """Each part in a fresh `python -m a4 bench gpu --system PART`, one after the other; the parts that ran."""
+def run_parts(quick: bool, parts_dir: Path | None = None) -> dict[str, dict]:
+    """Each part in a fresh `python -m a4 bench gpu --system PART`, one after the other; the parts that ran.
+
+    `parts_dir`: where each part's PART.json is kept (a scratch folder otherwise), and a part whose file is already
+    there is read instead of run again. So a run cut short (the time limit of a lent GPU) goes on where it stopped.
+    """
     parts = [part for part in PARTS if part != "transformers_fla" or installed_version(FLA_DISTRIBUTIONS)]
     if "transformers_fla" not in parts:
         print("flash-linear-attention is not installed: no transformers_fla system")
     results = {}
     with tempfile.TemporaryDirectory() as scratch:
+        folder = Path(parts_dir) if parts_dir is not None else Path(scratch)
+        folder.mkdir(parents=True, exist_ok=True)
         for part in parts:
-            print(f"-- {part}", flush=True)
-            command = [sys.executable, "-m", "a4", "bench", "gpu", "--system", part, "--out", scratch]
-            status = subprocess.run(command + (["--quick"] if quick else [])).returncode
-            if status != 0:
-                print(f"-- {part} failed (exit status {status}): left out of the report", flush=True)
-                continue
-            results[part] = json.loads((Path(scratch) / f"{part}.json").read_text())
+            done = folder / f"{part}.json"
+            if done.exists():
+                print(f"-- {part}: measured before, read from {done}", flush=True)
+            else:
+                print(f"-- {part}", flush=True)
+                command = [sys.executable, "-m", "a4", "bench", "gpu", "--system", part, "--out", str(folder)]
+                status = subprocess.run(command + (["--quick"] if quick else [])).returncode
+                if status != 0:
+                    print(f"-- {part} failed (exit status {status}): left out of the report", flush=True)
+                    continue
+            results[part] = json.loads(done.read_text())
     if "floor" not in results:
         raise RuntimeError("the floor part failed: nothing to compare the times with")
     return results
