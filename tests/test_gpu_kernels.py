@@ -10,9 +10,9 @@
   contiguous rows and on strided heads;
 - the small-batch linear layer (`gemv`): 1 to 4 rows of 0.8B-shaped and odd-sized projections against a float64 matmul,
   strided rows, and `use_gemv`'s routing (more rows, or lm_head's width, stay with F.linear);
-- the routed experts of a mixture of experts (`moe`): against the students' FusedExperts (notebook 09) at the tiny
-  preset's, a wider and (on a GPU) 35B-A3B's shapes, one to 200 tokens, routing skewed onto few experts; captured in
-  a CUDA graph and replayed with new routing;
+- the router and routed experts of a mixture of experts (`moe`): against the students' `route` and FusedExperts
+  (notebook 09) at the tiny preset's, a wider and (on a GPU) 35B-A3B's shapes, one to 200 tokens, routing skewed
+  onto few experts, and the whole block; captured in a CUDA graph and replayed with new routing;
 - the fla prefill (where flash-linear-attention is importable): varlen batch, nonzero initial states from the pool,
   final states written back, against the token-by-token recurrence.
 
@@ -593,6 +593,44 @@ def test_expert_runs_are_the_students_groups_kept_on_the_device(num_tokens):
     assert runs.experts[:active].tolist() == groups.experts and runs.counts[:active].tolist() == groups.counts
     assert runs.starts[:active].tolist() == [sum(groups.counts[:i]) for i in range(active)]
     assert runs.experts.numel() == min(expert_ids.numel(), num_experts) and not runs.counts[active:].any()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("normalize", [True, False], ids=["normalised", "raw"])
+@pytest.mark.parametrize("num_tokens", [1, 5, 64])
+@pytest.mark.parametrize("shape", list(EXPERT_SHAPES))
+def test_route_matches_the_students_router(shape, num_tokens, normalize, dtype):
+    from a4.kernels.moe import fused_route
+    from a4.layers.moe import route as students_route
+
+    num_experts, top_k, _, _ = EXPERT_SHAPES[shape]
+    logits = randn(num_tokens, 2 * num_experts, dtype=dtype, seed=num_tokens, scale=3.0)[:, ::2]  # strided rows
+    weights, experts = fused_route(logits, top_k, normalize)
+    expected = students_route(logits, top_k, normalize)
+    assert experts.dtype == torch.int64 and weights.dtype == dtype
+    # The same experts, most probable first, but where probabilities tie (bfloat16 logits tie often), where the
+    # order between the tied ones is torch.topk's own: the chosen probabilities agree exactly.
+    probs = logits.float().softmax(dim=-1)
+    assert torch.equal(probs.gather(1, experts), probs.gather(1, expected.experts))
+    if dtype == torch.float32:
+        assert torch.equal(experts, expected.experts)
+    torch.testing.assert_close(weights, expected.weights, atol=1e-6, rtol=1e-5 if dtype == torch.float32 else 1e-2)
+
+
+def test_fused_moe_block_matches_the_students_block():
+    from a4.layers.moe import SparseMoeBlock
+    from a4.models.config import parse_config
+
+    config = parse_config(preset_config("qwen3_5_moe", "tiny"))
+    reference = SparseMoeBlock(config).to(DEVICE)
+    with torch.no_grad():
+        for i, parameter in enumerate(reference.parameters()):
+            parameter.copy_(randn(*parameter.shape, seed=10 + i, scale=parameter.shape[-1] ** -0.5))
+    fused = copy.deepcopy(reference)
+    assert use_fused_experts(fused) == 2  # the block's router and its experts
+    x = randn(7, config.hidden_size, seed=20)
+    with torch.no_grad():
+        torch.testing.assert_close(fused(x), reference(x), atol=1e-5, rtol=1e-4)
 
 
 def test_fused_experts_reject_weights_that_do_not_fit():

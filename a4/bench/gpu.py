@@ -290,8 +290,10 @@ def measure_moe(workload: Workload, device: torch.device) -> dict:
     # config.json and generation_config.json only: the weights are drawn on the device (load_format="dummy").
     model_dir = make_checkpoint(None, "qwen3_5_moe", preset=workload.moe_preset, weights=False)
     start = time.perf_counter()
-    runner = A4Runner(model_dir, DTYPE_NAME, max_prefill_tokens=MAX_PREFILL_TOKENS, device=device,
-                      max_running_requests=max(workload.moe_batches), cuda_graphs=True, load_format="dummy")  # fmt: skip
+    runner = A4Runner(
+        model_dir, DTYPE_NAME, max_prefill_tokens=MAX_PREFILL_TOKENS, device=device,
+        max_running_requests=max(workload.moe_batches), cuda_graphs=True, load_format="dummy",
+    )  # fmt: skip
     print(f"moe part: the {workload.moe_preset} engine built in {time.perf_counter() - start:.0f} s", flush=True)
     config = load_model_config(model_dir)
     result = time_runner(runner, config, workload, workload.moe_batches, device, profile=device.type == "cuda")

@@ -1,4 +1,4 @@
-"""Triton kernels for the routed experts of a mixture-of-experts layer (Qwen3.5-35B-A3B), with no host sync.
+"""Triton kernels for the router and routed experts of a mixture-of-experts layer (Qwen3.5-35B-A3B), no host sync.
 
 Why kernels of our own: the students' `FusedExperts` (notebook 09) runs each active expert as its own pair of
 matrix products, and learns which experts are active, and how many tokens each has, on the host
@@ -15,19 +15,22 @@ There are min(T * k, E) runs whatever the routing (those past the active experts
 buffer size follows from the shapes alone and a step captures; and a decode step of one token launches programs for
 its 8 experts, not for all 256. Where the pairs are few next to the experts (`pairs_as_runs`), each pair is a run
 of its own and nothing is sorted: the sort's ~20 small kernels per layer cost a decode step more than the rare
-expert that two pairs share costs read twice (on an H200, 35B-A3B's batch-1 step ran 2,591 kernels with the sort). Each program reads its expert's weight block once per BLOCK_M of its pairs: at
-decode sizes (a few pairs per expert) the active experts' weights are read once, the floor of the step. After
-vLLM's and SGLang's `fused_moe`, which sort the pairs the same way (theirs pads each expert's run to the block size;
-here a program walks its run instead).
+expert that two pairs share costs read twice (on an H200, 35B-A3B's batch-1 step ran 2,591 kernels with the sort).
+Each program reads its expert's weight block once per BLOCK_M of its pairs: at decode sizes (a few pairs per expert)
+the active experts' weights are read once, the floor of the step. After vLLM's and SGLang's `fused_moe`, which sort
+the pairs the same way (theirs pads each expert's run to the block size; here a program walks its run instead).
 
 The arithmetic is the module's, in float32 accumulators: gate and up, silu(gate) * up rounded to x's dtype (the
 down projection's input, as in the module), the down projection times the routing weight, then the sum over the k
 experts. The module sums into x's dtype expert after expert; here the sum is in float32 and rounded once, so
 bfloat16 results agree to bfloat16 rounding and float32 ones to float32 rounding.
 
-`use_fused_experts(model)` routes a model's `FusedExperts` modules through `fused_experts` (the engine does it where
-a4's Triton kernels run, `a4.models.registry.fuse_for_device`); each module keeps its weights and only its forward
-changes, as with the fused norms.
+The router is one launch too (`fused_route`, `_route_kernel`): the students' `route` is a softmax, a top-k, a sum and a
+division with their casts, ~7 launches per layer for a few hundred bytes of work.
+
+`use_fused_experts(model)` routes a model's `FusedExperts` modules through `fused_experts` and its `SparseMoeBlock`s'
+routers through `fused_route` (the engine does it where a4's Triton kernels run, `a4.models.registry.fuse_for_device`);
+each module keeps its weights and only its forward changes, as with the fused norms.
 """
 
 from __future__ import annotations
@@ -114,6 +117,37 @@ def _expert_matmul_kernel(
                  mask=in_m[:, None] & in_n[None, :])  # fmt: skip
 
 
+@triton.jit
+def _route_kernel(
+    logits_ptr, weights_ptr, experts_ptr,
+    num_experts, stride_logits,
+    TOP_K: tl.constexpr, NORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """Program t: token t's softmax over the experts in float32, its TOP_K most probable experts (most probable
+    first) and their probabilities, renormalised to sum to one when NORMALIZE."""
+    token = tl.program_id(0)
+    e = tl.arange(0, BLOCK_E)
+    logits = tl.load(logits_ptr + token * stride_logits + e, mask=e < num_experts, other=float("-inf"))
+    logits = logits.to(tl.float32)
+    probs = tl.exp(logits - tl.max(logits, axis=0))
+    # The padding past the E experts is never chosen, not even over an expert whose probability underflowed to 0.
+    probs = tl.where(e < num_experts, probs / tl.sum(probs, axis=0), -1.0)
+    slot = tl.arange(0, BLOCK_K)
+    chosen = tl.zeros((BLOCK_K,), dtype=tl.int64)
+    chosen_probs = tl.zeros((BLOCK_K,), dtype=tl.float32)
+    # top-k as k rounds of argmax, each taking its expert out of the running.
+    for j in tl.static_range(TOP_K):
+        best = tl.argmax(probs, axis=0)
+        chosen = tl.where(slot == j, best, chosen)
+        chosen_probs = tl.where(slot == j, tl.max(probs, axis=0), chosen_probs)
+        probs = tl.where(e == best, -1.0, probs)
+    if NORMALIZE:
+        chosen_probs = chosen_probs / tl.sum(chosen_probs, axis=0)
+    in_k = slot < TOP_K
+    tl.store(weights_ptr + token * TOP_K + slot, chosen_probs.to(weights_ptr.dtype.element_ty), mask=in_k)
+    tl.store(experts_ptr + token * TOP_K + slot, chosen, mask=in_k)
+
+
 class ExpertRuns(NamedTuple):
     """The token-expert pairs sorted by expert, as runs: run r is expert `experts[r]`'s `counts[r]` pairs from
     `pairs[starts[r]]` on. There are min(T * k, E) runs, a bound known from the shapes; the runs past the active
@@ -197,17 +231,46 @@ def fused_experts(
     return y.view(num_tokens, top_k, hidden).sum(dim=1).to(x.dtype)
 
 
+def fused_route(router_logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The students' `route` (notebook 09) in one launch: router_logits [T, E] -> (weights [T, k] in the logits'
+    dtype, expert ids [T, k] int64), the most probable first; softmax and renormalisation in float32."""
+    num_tokens, num_experts = router_logits.shape
+    if not 0 < top_k <= num_experts:
+        raise ValueError(f"fused_route: top_k {top_k} must be in 1..{num_experts}, the number of experts")
+    logits = router_logits if router_logits.stride(-1) == 1 else router_logits.contiguous()
+    weights = torch.empty(num_tokens, top_k, dtype=router_logits.dtype, device=router_logits.device)
+    experts = torch.empty(num_tokens, top_k, dtype=torch.int64, device=router_logits.device)
+    if num_tokens:
+        _route_kernel[(num_tokens,)](
+            logits, weights, experts,
+            num_experts, logits.stride(0),
+            TOP_K=top_k, NORMALIZE=normalize, BLOCK_E=triton.next_power_of_2(num_experts),
+            BLOCK_K=triton.next_power_of_2(top_k),
+        )  # fmt: skip
+    return weights, experts
+
+
+def _sparse_moe_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    # SparseMoeBlock.forward (notebook 09) with the router in one launch; its experts module is routed below.
+    weights, experts = fused_route(self.gate(x), self.top_k, self.norm_topk_prob)
+    return self.experts(x, experts, weights) + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+
+
 def _fused_experts_forward(self: nn.Module, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor):
     return fused_experts(x, self.gate_up_proj, self.down_proj, expert_ids, weights)
 
 
 def use_fused_experts(model: nn.Module) -> int:
-    """Route `model`'s `FusedExperts` modules through `fused_experts`; returns how many."""
-    from a4.layers.moe import FusedExperts
+    """Route `model`'s `FusedExperts` modules through `fused_experts`, and its `SparseMoeBlock`s' routers through
+    `fused_route`; returns how many modules changed."""
+    from a4.layers.moe import FusedExperts, SparseMoeBlock
 
     routed = 0
     for module in model.modules():
         if isinstance(module, FusedExperts):
             module.forward = MethodType(_fused_experts_forward, module)
+            routed += 1
+        elif type(module) is SparseMoeBlock:
+            module.forward = MethodType(_sparse_moe_forward, module)
             routed += 1
     return routed
