@@ -422,8 +422,9 @@ def tensor_plan(arch: str, config: dict[str, Any]) -> list[TensorSpec]:
 def draw_tensor(spec: TensorSpec, seed: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """One tensor of the plan in STORAGE_DTYPE, drawn on `device` by a generator seeded by (seed, its name).
 
-    On the CPU this is the tensor make_checkpoint writes, bit for bit. A GPU's generator (Philox) draws other values
-    of the same distribution.
+    On the CPU this is the tensor make_checkpoint writes, bit for bit, where torch runs the same CPU kernels (its
+    normal sampler rounds otherwise on another vector width, e.g. under ATEN_CPU_CAPABILITY=default). A GPU's
+    generator (Philox) draws other values of the same distribution.
     """
     digest = hashlib.sha256(f"{seed}/{spec.name}".encode()).digest()
     gen = torch.Generator(device=device).manual_seed(int.from_bytes(digest[:8], "little") >> 1)
