@@ -289,16 +289,19 @@ def test_gpu_parts_run_on_the_cpu():
     # The tiny model's bytes, independently: every parameter once, in bfloat16 (2 bytes).
     assert floor["weight_bytes"] == 2 * hf_text_model_parameters(model_dir)
 
-    spec = report["speculative"]
-    assert [(run["batch"], run["drafts_right"]) for run in spec["runs"]] == [
-        (batch, right) for batch in workload.spec_batches for right in (workload.spec_tokens, 0)
-    ]
-    for run in spec["runs"]:
-        # Oracle drafts from the plain run's own greedy tokens (bfloat16 on the CPU, where the verify pass computes
-        # what the decode step does): all right means all accepted, none right none.
-        assert run["acceptance_rate"] == (1.0 if run["drafts_right"] else 0.0)
-        assert (run["tokens_per_decode_step"] > 1) == bool(run["drafts_right"])
-        assert run["plain_tok_s"] > 0 and run["spec_tok_s"] > 0
+    speculative = report["speculative"]
+    k = workload.spec_tokens
+    assert [row["batch"] for row in speculative["decode"]] == list(workload.spec_batches)
+    for row in speculative["decode"]:
+        assert list(row["systems"]) == [spec.NO_SPECULATION, f"k={k}, {k}/{k} right", f"k={k}, 0/{k} right"]
+        for name, result in row["systems"].items():
+            drafts_right = name.endswith(f"{k}/{k} right")
+            # Oracle drafts from the plain run's own greedy tokens (bfloat16 on the CPU, where the verify pass
+            # computes what the decode step does): all right means all accepted, none right none.
+            if name != spec.NO_SPECULATION:
+                assert result["acceptance_rate"] == (1.0 if drafts_right else 0.0)
+            assert (result["tokens_per_decode_step"] > 1) == drafts_right
+            assert result["tokens_per_s"] > 0
 
     moe = report["moe"]
     assert moe["preset"] == workload.moe_preset and moe["launch_profile"] is None

@@ -13,9 +13,10 @@ compiled kernels or imported modules:
   backend);
 - throughput: offline throughput in nano-vllm's benchmark shape (256 requests queued at once, prompt and output
   lengths uniform in [100, 1024], seed 0, `ignore_eos`, room for every request), input and output tokens per second;
-- spec: speculative decoding captured, k = 3 oracle drafts per step taken from a plain run's own greedy tokens (all
-  right) or made wrong (none right), decode tokens per second against plain decode at batch 1 and 8 (random weights
-  draft nothing useful, so acceptance is forced), with the acceptance measured;
+- spec: `bench spec`'s oracle part with decode and verify captured: k = 3 oracle drafts per step taken from a plain
+  run's own greedy tokens (all right) or made wrong (none right), decode tokens per second against plain decode at
+  batch 1 and 8, timed as `bench spec` times them (random weights draft nothing useful, so acceptance is forced),
+  with the acceptance measured;
 - moe: Qwen3.5-35B-A3B's shapes (`qwen3_5_moe-35b-a3b`, ~70 GB in bf16) through the engine with CUDA graphs, its
   random weights built on the GPU from config.json (`load_format="dummy"`: no checkpoint on disk, which the H200's
   64 GiB would not hold), prefill and decode timed as a4's (batch 1, 8, 32) and profiled at batch 1.
@@ -93,6 +94,7 @@ class Workload:
     spec_batches: tuple[int, ...] = (1, 8)
     spec_tokens: int = 3
     spec_new_tokens: int = 64
+    spec_repeats: int = 2  # timed runs per system, after an untimed one
     # The moe part: the Qwen3.5-MoE preset and its decode batch sizes (prefill_lens as the other systems).
     moe_preset: str = "35b-a3b"
     moe_batches: tuple[int, ...] = (1, 8, 32)
@@ -109,7 +111,8 @@ class Workload:
         return Workload(
             "tiny", (32, 128), (1, 8), prompt_len=16, decode_steps=4, prefill_repeats=2, contexts=(256, 1024),
             repeats=3, copy_bytes=16 << 20, gemm_size=256, throughput_requests=8, throughput_lens=(8, 32),
-            spec_batches=(1, 2), spec_tokens=2, spec_new_tokens=6, moe_preset="tiny", moe_batches=(1, 2),
+            spec_batches=(1, 2), spec_tokens=2, spec_new_tokens=6, spec_repeats=1, moe_preset="tiny",
+            moe_batches=(1, 2),
         )  # fmt: skip
 
     @property
@@ -231,56 +234,37 @@ def measure_throughput(model_dir: Path, workload: Workload, device: torch.device
 
 @torch.inference_mode()
 def measure_spec(model_dir: Path, workload: Workload, device: torch.device) -> dict:
-    """Speculative decoding with CUDA graphs (decode and verify captured): decode tokens per second of oracle drafts,
-    all right and none right, against plain decode of the same prompts, per batch size (see the module docstring)."""
-    from a4 import LLM, SamplingParams
-    from a4.bench.engine import random_prompts
+    """`bench spec`'s oracle part with CUDA graphs (decode and verify captured): plain decode, then oracle drafts all
+    right and none right, side by side (`a4.bench.spec.side_by_side`: tokens per step over the median step), per
+    batch size. The drafts are a plain run's own greedy tokens (see the module docstring)."""
+    from a4 import SamplingParams
+    from a4.bench.engine import A4Runner, random_prompts
+    from a4.bench.spec import NO_SPECULATION, System, side_by_side
     from a4.models.config import load_model_config
     from a4.speculative.drafter import OracleDrafter
 
     config = load_model_config(model_dir)
     k, new_tokens = workload.spec_tokens, workload.spec_new_tokens
-    runs = []
-    for batch in workload.spec_batches:
-        prompts = random_prompts([workload.prompt_len] * batch, config.vocab_size, config.eos_token_ids, seed=batch)
-        options = dict(
-            device=device, dtype=DTYPE_NAME, cuda_graphs=True, max_running_requests=max(workload.spec_batches),
-            max_prefill_tokens=MAX_PREFILL_TOKENS, enable_prefix_cache=False,
-            # Three engines in turn: on a GPU each gets a budget of its own, where the default would plan 80% of
-            # what the ones before left free.
-            memory_budget_bytes=SPEC_MEMORY_BUDGET if device.type == "cuda" else None,
-        )  # fmt: skip
-        plain = LLM(model_dir, **options)
-        # The plain run's greedy tokens are the drafts: k more than decoded, for the last verify steps.
-        truth = plain.generate(prompts, SamplingParams(max_new_tokens=new_tokens + k, ignore_eos=True))
-        plain_rate, _ = decode_tokens_per_second(plain, prompts, new_tokens)
-        del plain
-        continuations = {tuple(p): out.token_ids for p, out in zip(prompts, truth)}
-        for correct in (k, 0):
-            drafter = OracleDrafter(continuations, correct=correct, vocab_size=config.vocab_size)
-            spec = LLM(model_dir, drafter=drafter, speculative_tokens=k, **options)
-            rate, counters = decode_tokens_per_second(spec, prompts, new_tokens)
-            runs.append(dict(batch=batch, drafts_right=correct, plain_tok_s=plain_rate, spec_tok_s=rate,
-                             speedup=rate / plain_rate, **counters))  # fmt: skip
-            del spec
-    return {"k": k, "new_tokens": new_tokens, "runs": runs}
-
-
-def decode_tokens_per_second(llm, prompts: list[list[int]], new_tokens: int) -> tuple[float, dict]:
-    """Tokens per second of decode (the prefill's first token and time left out) over a second run of the prompts,
-    the first one warming up (kernels compiled, the graphs' first replay); and the engine's speculation counters."""
-    from a4 import SamplingParams
-    from a4.engine.stats import EngineStats
-
-    params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
-    llm.generate(prompts, params)
-    llm.engine.stats = EngineStats()
-    llm.generate(prompts, params)
-    stats = llm.stats
-    return stats.decode_tokens_per_second, {
-        "acceptance_rate": stats.acceptance_rate,
-        "tokens_per_decode_step": stats.tokens_per_decode_step,
+    prompts = random_prompts([workload.prompt_len] * max(workload.spec_batches), config.vocab_size,
+                             config.eos_token_ids, seed=1)  # fmt: skip
+    options = dict(
+        max_prefill_tokens=MAX_PREFILL_TOKENS, device=device, max_running_requests=max(workload.spec_batches),
+        cuda_graphs=True,
+        # Two engines side by side: on a GPU each gets a budget of its own, where the default would plan 80% of
+        # what the first left free.
+        memory_budget_bytes=SPEC_MEMORY_BUDGET if device.type == "cuda" else None,
+    )  # fmt: skip
+    plain = A4Runner(model_dir, DTYPE_NAME, **options)
+    # The plain run's greedy tokens are the drafts: k more than decoded, for the last verify steps.
+    outputs = plain.llm.generate(prompts, SamplingParams(max_new_tokens=new_tokens + k, ignore_eos=True))
+    continuations = {tuple(p): out.token_ids for p, out in zip(prompts, outputs)}
+    speculative = A4Runner(model_dir, DTYPE_NAME, speculative_tokens=k, **options)
+    systems = {NO_SPECULATION: System(plain)} | {
+        f"k={k}, {right}/{k} right": System(speculative, OracleDrafter(continuations, right, config.vocab_size))
+        for right in (k, 0)
     }
+    decode = [side_by_side(systems, prompts[:b], new_tokens, workload.spec_repeats) for b in workload.spec_batches]
+    return {"k": k, "new_tokens": new_tokens, "decode": decode}
 
 
 def measure_moe(workload: Workload, device: torch.device) -> dict:
@@ -657,14 +641,10 @@ def print_table(report: dict) -> None:
             f"and {part['output_tok_per_s']:,.0f} output tok/s"
         )
     if "speculative" in report:
+        from a4.bench.spec import print_decode
+
         part = report["speculative"]
-        print(f"\nspeculative decoding, CUDA graphs, k = {part['k']} oracle drafts, {part['new_tokens']} new tokens")
-        print(f"{'batch':>6}{'drafts right':>14}{'plain tok/s':>13}{'spec tok/s':>12}{'speed-up':>10}{'accepted':>10}")
-        for run in part["runs"]:
-            print(
-                f"{run['batch']:>6}{run['drafts_right']:>14}{run['plain_tok_s']:>13,.0f}{run['spec_tok_s']:>12,.0f}"
-                f"{run['speedup']:>9.2f}x{run['acceptance_rate']:>10.0%}"
-            )
+        print_decode(part, f"speculative decoding with CUDA graphs, k = {part['k']} oracle drafts")
     if "moe" in report:
         part = report["moe"]
         print(f"\na4 at Qwen3.5-MoE-{part['preset']} shapes ({part['weight_bytes'] / 1e9:.1f} GB of weights), ms")

@@ -39,6 +39,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from a4.checkpoints import arch_of, draw_tensor, tensor_plan
+from a4.models.config import read_json
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -301,7 +302,7 @@ def draw_weights(
     of load_weights before anything is drawn: a tensor of the model that no plan entry fills is a WeightLoadError
     naming it. One tensor at a time: peak memory is the model and one tensor's draw.
     """
-    config = json.loads((Path(model_dir) / "config.json").read_text())
+    config = read_json(Path(model_dir) / "config.json")
     arch = arch_of(config["architectures"][0])
     targets = loadable_tensors(model)
     report = LoadReport(random_seed=seed)
