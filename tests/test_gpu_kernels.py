@@ -7,7 +7,10 @@
   the pool, read through req_to_token), GQA, head_dim 256 / 128 / 32, a padded row;
 - the three captured in one CUDA graph and replayed with other slots and lengths in the same buffers;
 - the fused norms (`rmsnorm`): the zero-centred and the gated RMSNorm against the torch modules they replace, on
-  contiguous rows and on strided heads;
+  contiguous rows and on strided heads; the residual add and the norm in one launch (`add_and_norm`) against the
+  torch add and the module;
+- SwiGLU's activation (`activation`): silu(gate) * up against torch's, on the two halves of one merged product,
+  and a GatedMLP routed through it against the torch module;
 - the small-batch linear layer (`gemv`): 1 to 4 rows of 0.8B-shaped and odd-sized projections against a float64 matmul,
   strided rows, and `use_gemv`'s routing (more rows, or lm_head's width, stay with F.linear);
 - the router and routed experts of a mixture of experts (`moe`): against the students' `route` and FusedExperts
@@ -70,6 +73,7 @@ from a4.kernels.fla_prefill import (  # noqa: E402 - only where the kernels can 
 )
 from a4.kernels.gdn_decode import conv_update_by_slot_, gated_delta_rule_update_by_slot_  # noqa: E402
 from a4.kernels.paged_attention import paged_decode_attention  # noqa: E402
+from a4.kernels.activation import silu_and_mul, use_fused_activation  # noqa: E402
 from a4.kernels.gemv import MAX_ROWS, TILE, gemv, linear, use_gemv  # noqa: E402
 from a4.kernels.moe import use_fused_experts  # noqa: E402
 from a4.kernels.rmsnorm import use_fused_norms  # noqa: E402
@@ -231,12 +235,22 @@ def test_gdn_decode_kernels_match_naive_over_two_steps(preset, dtype):
         assert torch.equal(conv_state[:DUMMY_SLOT], conv_expected[:DUMMY_SLOT])
 
         inputs = gdn_decode_inputs(shapes, dtype, len(slots), seed=30 + 10 * step)
+        # The engine's decode step asks for o in the model dtype; on a copy of the state, so that the float32 call
+        # below starts from the same one.
+        state_copy = state.clone()
+        o_model_dtype = gated_delta_rule_update_by_slot_(
+            **inputs, A_log=A_log, dt_bias=dt_bias, state=state_copy, slots=slots, out_dtype=dtype
+        )
         o = gated_delta_rule_update_by_slot_(**inputs, A_log=A_log, dt_bias=dt_bias, state=state, slots=slots)
         o_expected, state_expected = naive_gated_delta_rule_update(
             **inputs, A_log=A_log, dt_bias=dt_bias, state=state_expected, slots=slots
         )
         assert o.dtype == torch.float32 and o.shape == (len(slots), hv, dv)
         torch.testing.assert_close(o[real], o_expected[real], **rule_tolerance(dtype))
+        assert o_model_dtype.dtype == dtype
+        torch.testing.assert_close(
+            o_model_dtype[real].float(), o_expected[real].to(dtype).float(), **rule_tolerance(dtype)
+        )
         torch.testing.assert_close(state[:DUMMY_SLOT], state_expected[:DUMMY_SLOT], **rule_tolerance(dtype))
     # Slots 0, 2 and 5 were in no batch: untouched, bit for bit (the naive copies never changed them).
     for untouched in (0, 2, 5):
@@ -489,6 +503,59 @@ def test_fused_norms_match_the_modules_they_replace(dim, dtype):
         gate = rand(5, dim)
         torch.testing.assert_close(fused_norm(rows, gate), torch_norm(rows, gate), **allowed)
         assert fused_norm(rows[:0], gate[:0]).shape == (0, dim)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("dim", [1024, 16])
+def test_add_and_norm_in_one_launch_matches_the_torch_add_and_module(dim, dtype):
+    from a4.layers.gated_attention import ZeroCenteredRMSNorm
+    from a4.layers.norm import add_and_norm
+
+    torch_norm = ZeroCenteredRMSNorm(dim, 1e-6).to(DEVICE, dtype)
+    with torch.no_grad():
+        torch_norm.weight.copy_(randn(dim, seed=50, scale=0.3))
+    fused_norm = copy.deepcopy(torch_norm)
+    assert use_fused_norms(fused_norm) == 1 and hasattr(fused_norm, "add_norm")
+    assert not hasattr(torch_norm, "add_norm")  # the torch path of add_and_norm: x + h, then the module
+    x, h = randn(5, dim, dtype=dtype, seed=51, scale=3.0), randn(5, dim, dtype=dtype, seed=52)
+    with torch.no_grad():
+        total, normed = add_and_norm(x, h, fused_norm)
+        expected_total = x + h
+        # The sum is one rounding of the same float32 sum: exact on a GPU. The interpreter truncates to bfloat16
+        # where the GPU rounds to nearest: one unit in the last place there.
+        if INTERPRET:
+            torch.testing.assert_close(total, expected_total, atol=0, rtol=2**-7)
+        else:
+            assert torch.equal(total, expected_total)
+        allowed = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=1e-2, rtol=2**-5)}[dtype]
+        torch.testing.assert_close(normed, torch_norm(expected_total), **allowed)
+        assert add_and_norm(x[:0], h[:0], fused_norm)[1].shape == (0, dim)
+    with pytest.raises(ValueError, match="residual"):
+        fused_norm.add_norm(x, h[:, :-1])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("rows", [1, 3, 33])
+def test_silu_and_mul_matches_torch_on_the_halves_of_a_merged_product(rows, dtype):
+    from a4.layers.mlp import GatedMLP
+
+    width = 600  # two programs per row, the second one partly masked
+    merged = randn(rows, 2 * width, dtype=dtype, seed=rows, scale=3.0)
+    gate, up = merged[:, :width], merged[:, width:]
+    expected = F.silu(gate) * up
+    # float32: exp's rounding; bfloat16: at most one unit in the last place, and the interpreter's truncation.
+    allowed = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=1e-2, rtol=2**-5)}[dtype]
+    torch.testing.assert_close(silu_and_mul(gate, up), expected, **allowed)
+    torch.testing.assert_close(silu_and_mul(gate[:, None], up[:, None]), expected[:, None], **allowed)
+    with pytest.raises(ValueError, match="silu_and_mul"):
+        silu_and_mul(gate, up[:, 1:])
+
+    torch_mlp = GatedMLP(64, 48).to(DEVICE, dtype)
+    fused_mlp = copy.deepcopy(torch_mlp)
+    assert use_fused_activation(torch.nn.Sequential(fused_mlp)) == 1
+    x = randn(rows, 64, dtype=dtype, seed=rows + 100)
+    with torch.no_grad():
+        torch.testing.assert_close(fused_mlp(x), torch_mlp(x), **allowed)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

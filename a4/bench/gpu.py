@@ -327,8 +327,13 @@ def kernel_package_imported(package: str) -> bool:
     )
 
 
+# Kernels by name in a launch profile's table, those of most GPU time first.
+TOP_KERNELS = 15
+
+
 def launch_profile(engine, prompt: list[int], wall_ms: float) -> dict:
-    """The GPU kernels of one batch-1 decode step (count, summed time) and the step's wall time, wall_ms."""
+    """The GPU kernels of one batch-1 decode step (count, summed time, the TOP_KERNELS names of most time with their
+    calls) and the step's wall time, wall_ms."""
     from torch.profiler import ProfilerActivity, profile
 
     from a4 import SamplingParams
@@ -341,7 +346,16 @@ def launch_profile(engine, prompt: list[int], wall_ms: float) -> dict:
         torch.cuda.synchronize()
     engine.run([req])
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    return {"kernels": len(kernels), "kernel_ms": sum(e.device_time_total for e in kernels) / 1e3, "wall_ms": wall_ms}
+    by_name: dict[str, list[float]] = {}
+    for event in kernels:
+        by_name.setdefault(event.name, []).append(event.device_time_total / 1e3)
+    top = sorted(by_name.items(), key=lambda item: -sum(item[1]))[:TOP_KERNELS]
+    return {
+        "kernels": len(kernels),
+        "kernel_ms": sum(e.device_time_total for e in kernels) / 1e3,
+        "wall_ms": wall_ms,
+        "top_kernels": [{"name": name, "calls": len(times), "ms": sum(times)} for name, times in top],
+    }
 
 
 @torch.inference_mode()
@@ -661,6 +675,8 @@ def print_table(report: dict) -> None:
             f"\n{row['system']}, one decode step at batch {row['batch']}: {row['kernels']} GPU kernels running "
             f"{row['kernel_ms']:.2f} ms of a {row['wall_ms']:.2f} ms step ({row['kernel_ms'] / row['wall_ms']:.0%})"
         )
+        for kernel in row.get("top_kernels", []):
+            print(f"  {kernel['calls']:>5} x {kernel['ms']:7.3f} ms  {kernel['name'][:90]}")
 
 
 def draw(report: dict, axes) -> None:

@@ -135,7 +135,7 @@ def _gated_delta_rule_update_kernel(
     s += k[:, None] * delta[None, :]
     o = tl.sum(s * q[:, None], axis=0)
     tl.store(tile, s, mask=in_tile)
-    tl.store(o_ptr + row * stride_o_row + head * stride_o_head + j, o, mask=in_v)
+    tl.store(o_ptr + row * stride_o_row + head * stride_o_head + j, o.to(o_ptr.dtype.element_ty), mask=in_v)
 
 
 def gated_delta_rule_update_by_slot_(
@@ -148,12 +148,14 @@ def gated_delta_rule_update_by_slot_(
     dt_bias: torch.Tensor,
     state: torch.Tensor,
     slots: torch.Tensor,
+    out_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """One decode token of the gated delta rule for B requests, their recurrent states updated in place by slot.
 
     q, k [B, Hk, dk], v [B, Hv, dv] (model dtype, views of the conv output are fine); a, b [B, Hv]; A_log, dt_bias
-    [Hv]; state [num_slots, Hv, dk, dv] float32; slots [B] int64. Returns o [B, Hv, dv] float32. The l2-norm of q
-    and k, q's dk^-0.5, the head grouping, beta and g are computed inside the kernel, as the layer does them.
+    [Hv]; state [num_slots, Hv, dk, dv] float32; slots [B] int64. Returns o [B, Hv, dv], computed in float32 and
+    stored as `out_dtype`: the model dtype saves the layer's cast to it, a launch (the same rounding). The l2-norm of
+    q and k, q's dk^-0.5, the head grouping, beta and g are computed inside the kernel, as the layer does them.
     """
     batch, num_k_heads, dk = k.shape
     _, num_v_heads, dv = v.shape
@@ -179,7 +181,7 @@ def gated_delta_rule_update_by_slot_(
     # SM of an H200; four warps share a [128, 16] tile, one warp the tiny shapes' [16, 16].
     block_v = 16
     num_warps = 4 if block_k >= 64 else 1
-    o = torch.empty(batch, num_v_heads, dv, dtype=torch.float32, device=v.device)
+    o = torch.empty(batch, num_v_heads, dv, dtype=out_dtype, device=v.device)
     _gated_delta_rule_update_kernel[(batch, num_v_heads, triton.cdiv(dv, block_v))](
         q, k, v, a, b, A_log, dt_bias, state, slots, o,
         dk, dv, dk**-0.5,

@@ -12,6 +12,10 @@ is reduced in another order):
 - `GatedRMSNorm` (notebook 04): x * rsqrt(mean(x^2) + eps) in float32, cast to x's dtype, times w in that dtype,
   times silu(z) in float32, cast back.
 
+A decoder layer adds its mixer's output to the residual stream and normalises the sum for its MLP
+(`a4.layers.norm.add_and_norm`); with the kernel, the add happens in the same program (in the model dtype, as
+torch adds), which writes both the sum and its norm: one launch and one read of the row fewer per layer.
+
 `use_fused_norms(model)` routes a model's norm modules through these kernels (the engine does it where a4's Triton
 kernels run, `a4.models.registry.load_model`): each module keeps its weight and only its forward changes, so the
 students' classes stay as they wrote them, and the CPU path never sees a kernel.
@@ -29,15 +33,20 @@ from torch import nn
 
 @triton.jit
 def _rms_norm_kernel(
-    x_ptr, w_ptr, z_ptr, y_ptr,
+    x_ptr, w_ptr, z_ptr, h_ptr, sum_ptr, y_ptr,
     dim, eps,
-    stride_x, stride_z, stride_y,
-    GATED: tl.constexpr, BLOCK: tl.constexpr,
+    stride_x, stride_z, stride_h, stride_sum, stride_y,
+    GATED: tl.constexpr, ADD: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     in_row = cols < dim
     x = tl.load(x_ptr + row * stride_x + cols, mask=in_row, other=0.0)
+    if ADD:
+        # The residual add x + h, rounded to x's dtype as torch's add rounds it; the norm is the sum's.
+        h = tl.load(h_ptr + row * stride_h + cols, mask=in_row, other=0.0)
+        x = (x.to(tl.float32) + h.to(tl.float32)).to(x.dtype)
+        tl.store(sum_ptr + row * stride_sum + cols, x, mask=in_row)
     x32 = x.to(tl.float32)
     normed = x32 * tl.rsqrt(tl.sum(x32 * x32, axis=0) / dim + eps)
     w = tl.load(w_ptr + cols, mask=in_row, other=0.0)
@@ -58,22 +67,46 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return rows if rows.stride(-1) == 1 else rows.contiguous()
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, gate: torch.Tensor | None = None) -> torch.Tensor:
-    """The zero-centred RMSNorm of x [..., dim] with weight [dim]; with `gate` (z, shaped as x), the gated norm."""
+def _launch(x: torch.Tensor, weight: torch.Tensor, eps: float, gate: torch.Tensor | None, residual: torch.Tensor | None):
+    """The kernel over the rows of x: (the sum x + residual or None, the norm)."""
     rows = _rows(x)
     z = rows if gate is None else _rows(gate)
+    h = rows if residual is None else _rows(residual)
     out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
+    total = out if residual is None else torch.empty_like(out)
     if rows.shape[0]:
         dim = rows.shape[1]
         _rms_norm_kernel[(rows.shape[0],)](
-            rows, weight, z, out, dim, eps, rows.stride(0), z.stride(0), out.stride(0),
-            GATED=gate is not None, BLOCK=triton.next_power_of_2(dim),
+            rows, weight, z, h, total, out,
+            dim, eps,
+            rows.stride(0), z.stride(0), h.stride(0), total.stride(0), out.stride(0),
+            GATED=gate is not None, ADD=residual is not None, BLOCK=triton.next_power_of_2(dim),
         )  # fmt: skip
-    return out.view(x.shape)
+    return (None if residual is None else total.view(x.shape)), out.view(x.shape)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, gate: torch.Tensor | None = None) -> torch.Tensor:
+    """The zero-centred RMSNorm of x [..., dim] with weight [dim]; with `gate` (z, shaped as x), the gated norm."""
+    return _launch(x, weight, eps, gate, None)[1]
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + residual, the zero-centred RMSNorm of that sum) from one launch; x and residual [..., dim] alike."""
+    if residual.shape != x.shape or residual.dtype != x.dtype:
+        raise ValueError(
+            f"add_rms_norm: residual {residual.dtype} {tuple(residual.shape)} should be x's {x.dtype} {tuple(x.shape)}"
+        )
+    return _launch(x, weight, eps, None, residual)
 
 
 def _zero_centred_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return rms_norm(x, self.weight, self.eps)
+
+
+def _zero_centred_add_norm(self: nn.Module, x: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return add_rms_norm(x, h, self.weight, self.eps)
 
 
 def _gated_forward(self: nn.Module, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
@@ -81,7 +114,10 @@ def _gated_forward(self: nn.Module, x: torch.Tensor, z: torch.Tensor) -> torch.T
 
 
 def use_fused_norms(model: nn.Module) -> int:
-    """Give every ZeroCenteredRMSNorm and GatedRMSNorm of `model` the kernel's forward; returns how many."""
+    """Give every ZeroCenteredRMSNorm and GatedRMSNorm of `model` the kernel's forward; returns how many.
+
+    A ZeroCenteredRMSNorm also gets `add_norm(x, h)`, the residual add and the norm in one launch, which
+    `a4.layers.norm.add_and_norm` takes where a module has it."""
     from a4.layers.deltanet import GatedRMSNorm
     from a4.layers.gated_attention import ZeroCenteredRMSNorm
 
@@ -90,5 +126,7 @@ def use_fused_norms(model: nn.Module) -> int:
         if isinstance(module, (ZeroCenteredRMSNorm, GatedRMSNorm)):
             forward = _gated_forward if isinstance(module, GatedRMSNorm) else _zero_centred_forward
             module.forward = MethodType(forward, module)
+            if not isinstance(module, GatedRMSNorm):
+                module.add_norm = MethodType(_zero_centred_add_norm, module)
             fused += 1
     return fused

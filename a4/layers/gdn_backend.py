@@ -21,8 +21,10 @@ The backends, and whose functions they are made of:
 - `BySlotGDNBackend` (the static-buffer runner on the CPU, a4/engine/graph_runner.py): notebook 10's graph-safe
   by-slot step for DECODE, notebook 11's verify functions (graph-safe too) for TARGET_VERIFY;
 - `TritonGDNBackend` (CUDA): a4's Triton by-slot kernels for DECODE, and for TARGET_VERIFY once per position, so a
-  verify computes what decode steps compute; flash-linear-attention's varlen kernels for a bfloat16 EXTEND where
-  installed (the `gpu` extra), else notebook 04's functions. Tested against the students' reference functions.
+  verify computes what decode steps compute (their o comes already rounded to the model dtype, the value the
+  layer's cast gives it, so that cast launches nothing); flash-linear-attention's varlen kernels for a bfloat16
+  EXTEND where installed (the `gpu` extra), else notebook 04's functions. Tested against the students' reference
+  functions.
 
 `HybridAttnBackend` is what a hybrid model's ForwardBatch carries: the attention backend for the full-attention
 layers and one of these for the GDN layers, both prepared once per step.
@@ -150,11 +152,16 @@ class TritonGDNBackend(BySlotGDNBackend):
 
     def delta_rule(self, q, k, v, a, b, A_log, dt_bias, gdn_layer: int, fb: ForwardBatch) -> torch.Tensor:
         state = fb.state_pool.recurrent_state(gdn_layer)
-        if fb.mode is ForwardMode.TARGET_VERIFY:
+        if fb.mode in (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY):
 
+            # o comes in the model dtype, the value the layer's cast would give it: that cast launches nothing.
             def step(q_j, k_j, v_j, a_j, b_j, scratch, rows):
-                return self.ops.gated_delta_rule_update_by_slot_(q_j, k_j, v_j, a_j, b_j, A_log, dt_bias, scratch, rows)
+                return self.ops.gated_delta_rule_update_by_slot_(
+                    q_j, k_j, v_j, a_j, b_j, A_log, dt_bias, scratch, rows, out_dtype=v.dtype
+                )
 
+            if fb.mode is ForwardMode.DECODE:
+                return step(q, k, v, a, b, state, fb.slots)
             verify_states = fb.state_pool.verify_recurrent_states(gdn_layer)
             return _verify_by_position(step, (q, k, v, a, b), state, verify_states, fb)
         if fb.mode is ForwardMode.EXTEND and self.fla_prefill:

@@ -7,6 +7,11 @@ import torch.nn.functional as F
 from torch import nn
 
 
+def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's activation, silu(gate) * up, in the model dtype."""
+    return F.silu(gate) * up
+
+
 class GatedMLP(nn.Module):
     # Submodule names are the checkpoint's (`mlp.gate_proj.weight`, ...), so weights load without renaming.
     def __init__(self, hidden_size: int, intermediate_size: int) -> None:
@@ -14,6 +19,9 @@ class GatedMLP(nn.Module):
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        # In torch two launches (silu, then the product); where a4's Triton kernels run, one
+        # (a4/kernels/activation.py: use_fused_activation).
+        self.act_and_mul = silu_and_mul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.act_and_mul(self.gate_proj(x), self.up_proj(x)))

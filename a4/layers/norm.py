@@ -1,4 +1,5 @@
-"""RMSNorm as Qwen3 uses it: normalise in float32, cast back, then scale by the learned weight."""
+"""RMSNorm as Qwen3 uses it (normalise in float32, cast back, then scale by the learned weight), and the residual
+add that comes before a decoder layer's second norm."""
 
 from __future__ import annotations
 
@@ -25,3 +26,15 @@ class RMSNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"
+
+
+def add_and_norm(x: torch.Tensor, h: torch.Tensor, norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual stream after a sublayer, x + h (in the model dtype, as in transformers), and `norm` of it.
+
+    Where the norm runs a4's Triton kernel it has an `add_norm` method (a4/kernels/rmsnorm.py: use_fused_norms) that
+    computes both in one launch; the arithmetic is the same."""
+    add_norm = getattr(norm, "add_norm", None)
+    if add_norm is not None:
+        return add_norm(x, h)
+    x = x + h
+    return x, norm(x)

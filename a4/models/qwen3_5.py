@@ -32,6 +32,7 @@ from a4.core import ForwardBatch
 from a4.layers.deltanet import GatedDeltaNet
 from a4.layers.gated_attention import GatedAttention, ZeroCenteredRMSNorm
 from a4.layers.mlp import GatedMLP
+from a4.layers.norm import add_and_norm
 from a4.layers.rope import RotaryEmbedding
 from a4.models.config import LINEAR_ATTENTION, ModelConfig
 
@@ -76,9 +77,8 @@ class Qwen3_5DecoderLayer(nn.Module):
             h = self.linear_attn(h, fb, self.pool_layer)
         else:
             h = self.self_attn(h, cos, sin, fb)
-        # The residual adds run in the model dtype, as in transformers.
-        x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x, h = add_and_norm(x, h, self.post_attention_layernorm)
+        return x + self.mlp(h)
 
 
 class Qwen3_5TextModel(nn.Module):
