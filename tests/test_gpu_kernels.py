@@ -343,6 +343,29 @@ def test_paged_decode_attention_matches_naive(shape, dtype, page_size, num_split
 # ------------------------------------------------------------------------------------------------ CUDA graph
 
 
+
+def test_a_verify_steps_attention_rows_equal_the_decode_steps_of_their_tokens():
+    """Speculative decoding: a verify step's L rows of one request, its context split as the backend splits it (by
+    the number of requests), give bit for bit what L one-row decode steps give, each at its own length."""
+    from a4.kernels.paged_attention import default_num_splits
+
+    t = text_config("qwen3_5", "0.8b")
+    num_heads, num_kv_heads, head_dim = t["num_attention_heads"], t["num_key_value_heads"], t["head_dim"]
+    max_context = 2048 if not INTERPRET else 256
+    context = 1000 if not INTERPRET else 150
+    table, num_locations = paged_table([context + 4], 16, num_rows=2, max_context=max_context, seed=70)
+    k_buf = randn(num_locations, num_kv_heads, head_dim, dtype=torch.bfloat16, seed=71)
+    v_buf = randn(num_locations, num_kv_heads, head_dim, dtype=torch.bfloat16, seed=72)
+    q = randn(4, num_heads, head_dim, dtype=torch.bfloat16, seed=73)
+    lens = torch.arange(context + 1, context + 5, device=DEVICE)  # the k + 1 = 4 verified tokens' key counts
+    slots = torch.zeros(4, dtype=torch.int64, device=DEVICE)
+    splits = default_num_splits(1, num_kv_heads, max_context, head_dim, q.device)
+    verify = paged_decode_attention(q, k_buf, v_buf, table, slots, lens, 0.0625, num_splits=splits)
+    for j in range(4):
+        decode = paged_decode_attention(q[j : j + 1], k_buf, v_buf, table, slots[:1], lens[j : j + 1], 0.0625)
+        assert torch.equal(verify[j : j + 1], decode), f"verify row {j}"
+
+
 @pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need CUDA")
 def test_decode_kernels_capture_in_a_cuda_graph_and_replay_with_new_slots_and_lengths():
     """Static buffers hold the inputs; the graph replays with other slots and lengths copied into them."""
@@ -575,12 +598,23 @@ def test_gemv_matches_a_float64_matmul(rows, out_features, in_features, dtype, t
     torch.testing.assert_close(y.double(), expected, **allowed)
 
 
-def test_linear_takes_the_kernel_only_for_a_few_rows_of_a_narrow_output(monkeypatch):
+@pytest.mark.parametrize("out_features, in_features", [(1024, 3584), (8224, 1024)], ids=["narrow", "wide"])
+def test_gemv_gives_a_row_the_same_bits_whatever_rows_share_its_call(out_features, in_features):
+    """A verify step's rows must be what one-row decode steps compute (see the module's docstring)."""
+    x = randn(MAX_ROWS, in_features, dtype=torch.bfloat16, seed=80)
+    weight = randn(out_features, in_features, dtype=torch.bfloat16, seed=81, scale=in_features**-0.5)
+    together = gemv(x, weight)
+    for row in range(MAX_ROWS):
+        assert torch.equal(gemv(x[row : row + 1], weight), together[row : row + 1]), f"row {row}"
+    assert torch.equal(gemv(x[1:3], weight), together[1:3])
+
+
+def test_linear_takes_the_kernel_for_at_most_max_rows_rows(monkeypatch):
     import a4.kernels.gemv as gemv_module
 
     calls = []
     monkeypatch.setattr(gemv_module, "gemv", lambda x, weight: calls.append(weight.shape) or gemv(x, weight))
-    layer = torch.nn.Linear(64, 16, bias=False).to(DEVICE)  # narrow: out_features <= in_features
+    layer = torch.nn.Linear(64, 16, bias=False).to(DEVICE)
     wide = torch.nn.Linear(64, 70, bias=False).to(DEVICE)
     assert use_gemv(torch.nn.Sequential(layer, wide)) == 2
     x = torch.randn(MAX_ROWS + 1, 64, device=DEVICE)
@@ -590,7 +624,7 @@ def test_linear_takes_the_kernel_only_for_a_few_rows_of_a_narrow_output(monkeypa
         torch.testing.assert_close(wide(x[:1]), F.linear(x[:1], wide.weight), atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(linear(x[:2, None], layer.weight), F.linear(x[:2, None], layer.weight))
     if DEVICE == "cuda":  # the interpreter's tensors are CPU ones, which `linear` leaves to F.linear
-        assert calls == [layer.weight.shape] * 3
+        assert calls == [layer.weight.shape] * 2 + [wide.weight.shape] + [layer.weight.shape]
     with pytest.raises(ValueError, match="gemv"):
         gemv(x, layer.weight)
 

@@ -14,9 +14,9 @@ compiled kernels or imported modules:
 - throughput: offline throughput in nano-vllm's benchmark shape (256 requests queued at once, prompt and output
   lengths uniform in [100, 1024], seed 0, `ignore_eos`, room for every request), input and output tokens per second;
 - spec: `bench spec`'s oracle part with decode and verify captured: k = 3 oracle drafts per step taken from a plain
-  run's own greedy tokens (all right) or made wrong (none right), decode tokens per second against plain decode at
-  batch 1 and 8, timed as `bench spec` times them (random weights draft nothing useful, so acceptance is forced),
-  with the acceptance measured;
+  run's own greedy tokens at the same batch (all right) or made wrong (none right), decode tokens per second against
+  plain decode at batch 1 and 8, timed as `bench spec` times them (random weights draft nothing useful, so
+  acceptance is forced), with the acceptance measured;
 - moe: Qwen3.5-35B-A3B's shapes (`qwen3_5_moe-35b-a3b`, ~70 GB in bf16) through the engine with CUDA graphs, its
   random weights built on the GPU from config.json (`load_format="dummy"`: no checkpoint on disk, which the H200's
   64 GiB would not hold), prefill and decode timed as a4's (batch 1, 8, 32) and profiled at batch 1.
@@ -255,15 +255,19 @@ def measure_spec(model_dir: Path, workload: Workload, device: torch.device) -> d
         memory_budget_bytes=SPEC_MEMORY_BUDGET if device.type == "cuda" else None,
     )  # fmt: skip
     plain = A4Runner(model_dir, DTYPE_NAME, **options)
-    # The plain run's greedy tokens are the drafts: k more than decoded, for the last verify steps.
-    outputs = plain.llm.generate(prompts, SamplingParams(max_new_tokens=new_tokens + k, ignore_eos=True))
-    continuations = {tuple(p): out.token_ids for p, out in zip(prompts, outputs)}
     speculative = A4Runner(model_dir, DTYPE_NAME, speculative_tokens=k, **options)
-    systems = {NO_SPECULATION: System(plain)} | {
-        f"k={k}, {right}/{k} right": System(speculative, OracleDrafter(continuations, right, config.vocab_size))
-        for right in (k, 0)
-    }
-    decode = [side_by_side(systems, prompts[:b], new_tokens, workload.spec_repeats) for b in workload.spec_batches]
+    decode = []
+    for batch in workload.spec_batches:
+        # The drafts are a plain run's greedy tokens, k more than decoded for the last verify steps, from a run of
+        # this batch: in bfloat16 the tokens of a decode step depend on the rows it has (cuBLAS chooses its GEMM by
+        # them), and a verify at batch b computes what decode steps at batch b compute.
+        outputs = plain.llm.generate(prompts[:batch], SamplingParams(max_new_tokens=new_tokens + k, ignore_eos=True))
+        continuations = {tuple(p): out.token_ids for p, out in zip(prompts, outputs)}
+        systems = {NO_SPECULATION: System(plain)} | {
+            f"k={k}, {right}/{k} right": System(speculative, OracleDrafter(continuations, right, config.vocab_size))
+            for right in (k, 0)
+        }
+        decode.append(side_by_side(systems, prompts[:batch], new_tokens, workload.spec_repeats))
     return {"k": k, "new_tokens": new_tokens, "decode": decode}
 
 

@@ -4,8 +4,9 @@ Why a kernel of our own: with one to four rows, a linear layer is a matrix-vecto
 from HBM. cuBLAS tiles it as a GEMM and, for the layers whose output is narrow, spreads it over too few thread
 blocks: on an H200, Qwen3.5-0.8B's `down_proj` (3584 -> 1024, 7.3 MB) took 10.4 us at batch 1, 0.7 TB/s of a 4.8
 TB/s memory, and the GDN `out_proj` and attention `o_proj` (2048 -> 1024) ran as slowly; together a fifth of the
-decode step. Here each program owns BLOCK_N output features and streams their rows of W (BLOCK_N x BLOCK_K tiles,
-pipelined over K), keeping all M token rows' dot products in registers.
+decode step. Here each program owns one token row and BLOCK_N output features and streams their rows of W
+(BLOCK_N x BLOCK_K tiles, pipelined over K); the programs of one feature block are adjacent, so W is read from HBM
+once for all the rows.
 
 The tile (TILE) and the layers that take the kernel were chosen by timing the 0.8B model's decode projections inside
 CUDA graphs on an H200, eight tiles side by side with cuBLAS (the GPU's time alone, bf16; solutions/REPORT.md §5):
@@ -13,8 +14,18 @@ CUDA graphs on an H200, eight tiles side by side with cuBLAS (the GPU's time alo
   count (the 8 x 512 tile of the first round was 10-40% slower); `tile=` runs another, for the tests and such timings;
 - for a narrow output (out_features <= in_features: `down_proj`, `out_proj`, `o_proj`, 1024 features) the kernel
   beats cuBLAS by 1.4-3.8x at one row (3.3 us against 12.5 us for 2048 -> 1024); for a wide one (the merged input
-  projections, 5,000-8,000 features) cuBLAS is as fast at one row and twice as fast at four. So only narrow outputs
-  take the kernel. (Autotuning every shape instead compiled ~200 variants at graph capture: minutes of start-up.)
+  projections, 5,000-8,000 features) cuBLAS is as fast at one row and twice as fast at four. (Autotuning every
+  shape instead compiled ~200 variants at graph capture: minutes of start-up.)
+
+Every projection of at most MAX_ROWS rows takes the kernel, the wide ones too, for one more reason: the same row must
+come out the same whatever rows share its call. A speculative verify step at batch 1 multiplies k + 1 rows where the
+decode step multiplies one, and its rows must be what the decode steps would compute, or the verify rejects drafts
+that plain decoding would have chosen. cuBLAS chooses its kernel (tile, split of K) by the row count, so on the H200
+the 4 rows of a k = 3 verify came out otherwise than 4 one-row steps, and 7% of oracle drafts were accepted (random
+weights leave the top logits so close that one bfloat16 rounding moves the argmax). Here a row is its own program:
+its dot products are the same instructions, over the same K blocks in the same order, however many rows the call
+has. (A first version kept all rows of a block in one program, [MAX_ROWS, BLOCK_N] in registers, for invariance:
+its one-row step on the H200 was 0.57 ms slower than cuBLAS for the wide projections.)
 
 The arithmetic is a dot product per output in float32, cast to x's dtype at the end, as cuBLAS computes a bfloat16
 GEMM (the sum is taken in another order). `use_gemv(model)` routes a model's bias-free linear layers (and merged
@@ -43,20 +54,22 @@ def _gemv_kernel(
     x_ptr, w_ptr, y_ptr,
     rows, out_features, in_features,
     stride_x, stride_w, stride_y,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    m = tl.arange(0, BLOCK_M)
-    in_n, in_m = n < out_features, m < rows
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    # One program per (token row, block of output features). A block's programs for every row are adjacent, so they
+    # run together and W's rows come from HBM once, from L2 for the other rows.
+    program = tl.program_id(0)
+    row = program % rows
+    n = (program // rows) * BLOCK_N + tl.arange(0, BLOCK_N)
+    in_n = n < out_features
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for start in range(0, in_features, BLOCK_K):
         k = start + tl.arange(0, BLOCK_K)
         in_k = k < in_features
         w = tl.load(w_ptr + n[:, None] * stride_w + k[None, :], mask=in_n[:, None] & in_k[None, :], other=0.0)
-        x = tl.load(x_ptr + m[:, None] * stride_x + k[None, :], mask=in_m[:, None] & in_k[None, :], other=0.0)
-        acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
-    y = y_ptr + m[:, None] * stride_y + n[None, :]
-    tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=in_m[:, None] & in_n[None, :])
+        x = tl.load(x_ptr + row * stride_x + k, mask=in_k, other=0.0)
+        acc += tl.sum(x.to(tl.float32)[None, :] * w.to(tl.float32), axis=1)
+    tl.store(y_ptr + row * stride_y + n, acc.to(y_ptr.dtype.element_ty), mask=in_n)
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, tile: tuple[int, int, int, int] = TILE) -> torch.Tensor:
@@ -76,21 +89,20 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, tile: tuple[int, int, int, int] 
     y = torch.empty(num_rows, out_features, dtype=x.dtype, device=x.device)
     if num_rows:
         block_n, block_k, num_warps, num_stages = tile
-        _gemv_kernel[(triton.cdiv(out_features, block_n),)](
+        _gemv_kernel[(num_rows * triton.cdiv(out_features, block_n),)](
             rows, weight, y,
             num_rows, out_features, in_features,
             rows.stride(0), weight.stride(0), y.stride(0),
-            BLOCK_M=triton.next_power_of_2(num_rows), BLOCK_N=block_n, BLOCK_K=block_k,
+            BLOCK_N=block_n, BLOCK_K=block_k,
             num_warps=num_warps, num_stages=num_stages,
         )  # fmt: skip
     return y.view(*x.shape[:-1], out_features)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """F.linear(x, weight) without bias, through `gemv` where it is the faster of the two."""
+    """F.linear(x, weight) without bias, through `gemv` for at most MAX_ROWS rows on CUDA."""
     few_rows = x.numel() <= MAX_ROWS * x.shape[-1]
-    narrow = weight.shape[0] <= weight.shape[1]  # wider outputs (lm_head, the merged projections): cuBLAS
-    if x.is_cuda and few_rows and narrow and weight.stride(1) == 1:
+    if x.is_cuda and few_rows and weight.stride(1) == 1:
         return gemv(x, weight)
     return F.linear(x, weight)
 

@@ -126,11 +126,14 @@ class TritonAttnBackend(TorchAttnBackend):
         if fb.mode is ForwardMode.EXTEND:
             return super().forward(q, k, v, fb, pool_layer, scale)
         # Imported here: Triton exists only where CUDA does.
-        from a4.kernels.paged_attention import paged_decode_attention
+        from a4.kernels.paged_attention import default_num_splits, paged_decode_attention
 
         k_buf, v_buf = fb.kv_pool.get_kv(pool_layer)
         row_slots, row_lens = fb.attn_metadata
-        return paged_decode_attention(q, k_buf, v_buf, fb.req_to_token, row_slots, row_lens, scale)
+        # The context's splits from the number of requests, not of rows: a verify step's L rows per request are then
+        # split as the decode steps of those tokens split them, and compute what those steps compute.
+        num_splits = default_num_splits(fb.batch_size, k_buf.shape[1], fb.req_to_token.shape[1], q.shape[-1], q.device)
+        return paged_decode_attention(q, k_buf, v_buf, fb.req_to_token, row_slots, row_lens, scale, num_splits)
 
 
 def token_rows(fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
