@@ -1,9 +1,10 @@
 """transformers as ground truth: greedy generations and per-layer captures that a4's checks compare against.
 
 `hf_greedy` (and `hf_greedy_with_logits`, which also returns the logits that chose each token) is the reference of
-every token-by-token check. `hf_prefill_capture` and `hf_decode_capture` record, for one sequence, what each decoder
-layer's mixer (self_attn / linear_attn) and MLP read and wrote, the logits and the cache transformers keeps (keys
-after k_norm and RoPE, GDN conv and recurrent states), for layer-level checks.
+every token-by-token check; `hf_token_ranks` ranks another system's tokens under transformers' logits, for bfloat16,
+where rounding makes token-by-token equality the wrong test. `hf_prefill_capture` and `hf_decode_capture` record,
+for one sequence, what each decoder layer's mixer (self_attn / linear_attn) and MLP read and wrote, the logits and
+the cache transformers keeps (keys after k_norm and RoPE, GDN conv and recurrent states), for layer-level checks.
 
 transformers swaps in flash-linear-attention and causal-conv1d kernels when they are importable, which changes the
 numerics; this module refuses to run if either is installed. Attention runs with transformers' "eager"
@@ -97,6 +98,27 @@ def hf_greedy_with_logits(
     model = cached_hf_model(model_dir, dtype)
     generated = _greedy_generate(model, prompt, max_new_tokens, output_logits=True, return_dict_in_generate=True)
     return generated.sequences[0, len(prompt) :].tolist(), torch.cat(generated.logits).float()
+
+
+def hf_token_ranks(
+    model_dir: str | Path, prompts: list[list[int]], continuations: list[list[int]], dtype: str | torch.dtype = "float32"
+) -> list[list[int]]:
+    """Teacher-forced ranks of another system's tokens: for each token of each continuation, how many tokens
+    transformers' logits put above it at that position, given the prompt and the continuation before it (0: it is
+    transformers' own greedy choice there). One forward per sequence, each alone (no padding)."""
+    model = cached_hf_model(model_dir, dtype)
+    ranks = []
+    for prompt, continuation in zip(prompts, continuations, strict=True):
+        if not continuation:
+            ranks.append([])
+            continue
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + continuation])).logits[0].float()
+        # The logits at position i choose token i + 1: those of the prompt's last token choose the first new one.
+        chosen_by = logits[len(prompt) - 1 : len(prompt) - 1 + len(continuation)]
+        chosen = chosen_by.gather(1, torch.tensor(continuation)[:, None])
+        ranks.append((chosen_by > chosen).sum(dim=1).tolist())
+    return ranks
 
 
 def _greedy_generate(model: torch.nn.Module, prompt: list[int], max_new_tokens: int, **outputs: bool) -> object:

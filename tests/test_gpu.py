@@ -3,8 +3,8 @@
 
 float32 tiny Qwen3 and Qwen3.5 against transformers' greedy generation token by token, with CUDA graphs on and off:
 single prompts, a varlen batch, chunked prefill, slot reuse, prefix hits under both hybrid policies, batch sizes
-between the captured buckets, and speculative decoding. bfloat16 is compared by agreement, printed (rounding differs by
-kernel).
+between the captured buckets, and speculative decoding. bfloat16, where rounding differs by kernel, is ranked under
+transformers' float32 logits instead.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def without_fla(expression: str) -> object:
     code = (
         "import json\nfrom a4.bench.gpu import block_kernel_packages\nblock_kernel_packages()\n"
         "from a4.checkpoints import tiny_checkpoint\n"
-        "from a4.reference import hf_greedy\n"
+        "from a4.reference import hf_greedy, hf_token_ranks\n"
         f"print(json.dumps({expression}))"
     )
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=os.environ | {"CUDA_VISIBLE_DEVICES": ""},
@@ -84,28 +84,35 @@ def test_prefix_hits_equal_transformers(model, policy):
         assert all(out.cached_tokens > 0 for out in outputs[1:])
 
 
-def test_bfloat16_agreement(model):
+def test_bfloat16_tokens_are_the_float32_models_choices(model):
+    # bfloat16 rounds otherwise on the GPU than on the CPU, and with random weights the top logits are so close that
+    # one rounding changes a greedy token, and every token after it: how many tokens agree before the first
+    # difference is mostly chance (Qwen3.5 passed "more than half" with 59 of 110, then failed when the decode
+    # GEMMs moved from cuBLAS to a4's gemv). So each of a4's tokens is ranked, teacher-forced, under transformers'
+    # float32 logits (`hf_token_ranks`), and so are transformers' own bfloat16 tokens: a4 in bfloat16 must choose
+    # float32's top token about as often as transformers in bfloat16 does (on the CPU: 90% and 93% for Qwen3, 86%
+    # and 89% for Qwen3.5, 110 tokens). A broken kernel would choose float32's top token at ~0.1% of positions
+    # (1,024 tokens).
     ckpt, _ = model
-    reference = without_fla(f"hf_greedy({ckpt!r}, {PROMPTS!r}, {MAX_NEW}, 'bfloat16')")
     llm = LLM(ckpt, device="cuda", dtype="bfloat16", max_running_requests=4)
-    outputs = llm.generate(PROMPTS, SamplingParams(max_new_tokens=MAX_NEW))
-    agreeing = 0
-    for out, ref in zip(outputs, reference):
-        for ours, theirs in zip(out.token_ids, ref):
-            if ours != theirs:
-                break
-            agreeing += 1
-    total = sum(len(ref) for ref in reference)
-    identical = sum(out.token_ids == ref for out, ref in zip(outputs, reference))
-    print(f"\nbfloat16 on CUDA: {agreeing} of {total} tokens agree before the first difference; "
-          f"{identical} of {len(PROMPTS)} requests identical")  # fmt: skip
+    ours = [out.token_ids for out in llm.generate(PROMPTS, SamplingParams(max_new_tokens=MAX_NEW))]
+    theirs, our_ranks, their_ranks = without_fla(
+        f"[(theirs := hf_greedy({ckpt!r}, {PROMPTS!r}, {MAX_NEW}, 'bfloat16')), "
+        f"hf_token_ranks({ckpt!r}, {PROMPTS!r}, {ours!r}), hf_token_ranks({ckpt!r}, {PROMPTS!r}, theirs)]"
+    )
+    agreeing = sum(next((i for i, (a, b) in enumerate(zip(o, t)) if a != b), min(len(o), len(t)))
+                   for o, t in zip(ours, theirs))  # fmt: skip
+    ranks = {"a4": sum(our_ranks, []), "transformers": sum(their_ranks, [])}
+    top = {name: sum(r == 0 for r in rs) / len(rs) for name, rs in ranks.items()}
+    print(f"\nbfloat16 on CUDA: {agreeing} of {sum(map(len, theirs))} tokens agree with transformers' bfloat16 before "
+          f"the first difference; float32's top token chosen at {top['a4']:.0%} of a4's positions "
+          f"(transformers' bfloat16: {top['transformers']:.0%}), worst rank {max(ranks['a4'])} "
+          f"({max(ranks['transformers'])})")
     if "moe" in ckpt:
-        # The router's top-k is discontinuous: a GPU's bf16 GEMMs round otherwise than the CPU's where transformers
-        # runs here, and a flipped expert changes the token. Measured on an H200 (8 prompts, 80 tokens): a4 on CUDA
-        # follows a4 on the CPU exactly as far as it follows transformers (43 tokens), and a4 on the CPU follows
-        # transformers all the way (80); float32 above is exact. The figure is printed, not a pass mark.
+        # The router's top-k is discontinuous: a flipped expert changes the token by far more than rounding does
+        # (transformers' own bfloat16 tokens rank down to ~300th under float32 on the CPU). Printed, not a pass mark.
         return
-    assert agreeing > total // 2
+    assert top["a4"] >= top["transformers"] - 0.1
 
 
 @pytest.mark.parametrize("cuda_graphs", [True, False])

@@ -9,7 +9,7 @@ import torch
 from a4.checkpoints import preset_config, preset_generation_config
 from a4.course.checks._harness import assert_close, model_reduction_length, tolerance
 from a4.models.config import load_model_config
-from a4.reference import cached_hf_model, hf_decode_capture, hf_greedy, hf_prefill_capture
+from a4.reference import cached_hf_model, hf_decode_capture, hf_greedy, hf_prefill_capture, hf_token_ranks
 
 PROMPTS = [[5, 17, 300, 42, 9, 800], [1, 2, 3], [999]]
 
@@ -49,6 +49,17 @@ def test_hf_greedy_stops_after_the_generation_config_eos(tiny_qwen3_5, tmp_path)
     (model_dir / "generation_config.json").write_text(json.dumps(generation))
     out = hf_greedy(model_dir, [PROMPTS[0]], max_new_tokens=8)[0]
     assert out == free_run[: free_run.index(stop_token) + 1]
+
+
+def test_hf_token_ranks_ranks_each_token_under_a_plain_forward(tiny_qwen3_5):
+    model = cached_hf_model(tiny_qwen3_5)
+    prompt = PROMPTS[0]
+    greedy = naive_greedy(model, prompt, 4, stop=set())
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([prompt + greedy[:2]]), use_cache=False).logits[0, -1].float()
+    seventh = int(logits.argsort(descending=True)[7])  # the token ranked 7th after prompt + 2 greedy tokens
+    ranks = hf_token_ranks(tiny_qwen3_5, [prompt, prompt, [999]], [greedy, greedy[:2] + [seventh], []])
+    assert ranks == [[0, 0, 0, 0], [0, 0, 7], []]
 
 
 def rms_norm_zero_centred(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:

@@ -3,7 +3,12 @@
 - `gdn_decode`: the GDN decode step in place by state slot (`conv_update_by_slot_`,
   `gated_delta_rule_update_by_slot_`), one read and one write of each state row, capturable in a CUDA graph;
 - `paged_attention`: decode attention over the paged KV pool (`paged_decode_attention`), split over the context;
-- `fla_prefill`: the varlen GDN prefill through flash-linear-attention, gathered from and written back to the pool.
+- `fla_prefill`: the varlen GDN prefill through flash-linear-attention, gathered from and written back to the pool;
+- `rmsnorm`: the zero-centred and gated RMSNorms in one kernel each, the residual add folded into the first;
+- `activation`: SwiGLU's SiLU-and-multiply in one kernel;
+- `gemv`: linear layers of at most four rows (decode at small batches, a batch-1 verify), each row the same bits
+  whatever rows share its call;
+- `moe`: the routed experts over the token-expert pairs grouped on the device, and the router in one program.
 
 Triton and flash-linear-attention are GPU extras: nothing here is imported by `import a4.kernels`, so the CPU
 engine, its tests and the notebooks run without them. Import the module you need where CUDA is in use.
