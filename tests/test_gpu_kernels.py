@@ -340,10 +340,6 @@ def test_paged_decode_attention_matches_naive(shape, dtype, page_size, num_split
     torch.testing.assert_close(o.float(), expected, **tolerance)
 
 
-# ------------------------------------------------------------------------------------------------ CUDA graph
-
-
-
 def test_a_verify_steps_attention_rows_equal_the_decode_steps_of_their_tokens():
     """Speculative decoding: a verify step's L rows of one request, its context split as the backend splits it (by
     the number of requests), give bit for bit what L one-row decode steps give, each at its own length."""
@@ -364,6 +360,9 @@ def test_a_verify_steps_attention_rows_equal_the_decode_steps_of_their_tokens():
     for j in range(4):
         decode = paged_decode_attention(q[j : j + 1], k_buf, v_buf, table, slots[:1], lens[j : j + 1], 0.0625)
         assert torch.equal(verify[j : j + 1], decode), f"verify row {j}"
+
+
+# ------------------------------------------------------------------------------------------------ CUDA graph
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need CUDA")

@@ -262,7 +262,7 @@ def measure_spec(model_dir: Path, workload: Workload, device: torch.device) -> d
         # this batch: in bfloat16 the tokens of a decode step depend on the rows it has (cuBLAS chooses its GEMM by
         # them), and a verify at batch b computes what decode steps at batch b compute.
         outputs = plain.llm.generate(prompts[:batch], SamplingParams(max_new_tokens=new_tokens + k, ignore_eos=True))
-        continuations = {tuple(p): out.token_ids for p, out in zip(prompts, outputs)}
+        continuations = {tuple(p): out.token_ids for p, out in zip(prompts[:batch], outputs)}
         systems = {NO_SPECULATION: System(plain)} | {
             f"k={k}, {right}/{k} right": System(speculative, OracleDrafter(continuations, right, config.vocab_size))
             for right in (k, 0)

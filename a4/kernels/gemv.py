@@ -5,8 +5,8 @@ from HBM. cuBLAS tiles it as a GEMM and, for the layers whose output is narrow, 
 blocks: on an H200, Qwen3.5-0.8B's `down_proj` (3584 -> 1024, 7.3 MB) took 10.4 us at batch 1, 0.7 TB/s of a 4.8
 TB/s memory, and the GDN `out_proj` and attention `o_proj` (2048 -> 1024) ran as slowly; together a fifth of the
 decode step. Here each program owns one token row and BLOCK_N output features and streams their rows of W
-(BLOCK_N x BLOCK_K tiles, pipelined over K); the programs of one feature block are adjacent, so W is read from HBM
-once for all the rows.
+(BLOCK_N x BLOCK_K tiles, pipelined over K); the programs of one feature block are adjacent, so the other rows
+mostly find W's tiles in L2 (on the H200 four rows took 1.8x one row's time, not 4x).
 
 The tile (TILE) and the layers that take the kernel were chosen by timing the 0.8B model's decode projections inside
 CUDA graphs on an H200, eight tiles side by side with cuBLAS (the GPU's time alone, bf16; solutions/REPORT.md §5):
@@ -56,8 +56,8 @@ def _gemv_kernel(
     stride_x, stride_w, stride_y,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    # One program per (token row, block of output features). A block's programs for every row are adjacent, so they
-    # run together and W's rows come from HBM once, from L2 for the other rows.
+    # One program per (token row, block of output features). A block's programs for every row are adjacent: they
+    # run together, and the rows after the first mostly read W's tiles from L2.
     program = tl.program_id(0)
     row = program % rows
     n = (program // rows) * BLOCK_N + tl.arange(0, BLOCK_N)
