@@ -5,6 +5,9 @@
   request names stay bit-for-bit untouched;
 - `paged_decode_attention`: lengths from 1 to past several splits, page sizes 1 and 16 (locations scattered through
   the pool, read through req_to_token), GQA, head_dim 256 / 128 / 32, a padded row;
+- `conv_verify_by_slot_` and `gated_delta_rule_verify_by_slot_` (a verify pass's L tokens per request in one
+  launch): bit for bit the decode kernels run token after token, the slot's own rows untouched, and against notebook
+  11's `causal_conv1d_verify` / `gated_delta_rule_verify`;
 - the three captured in one CUDA graph and replayed with other slots and lengths in the same buffers;
 - the fused norms (`rmsnorm`): the zero-centred and the gated RMSNorm against the torch modules they replace, on
   contiguous rows and on strided heads; the residual add and the norm in one launch (`add_and_norm`) against the
@@ -71,7 +74,12 @@ from a4.kernels.fla_prefill import (  # noqa: E402 - only where the kernels can 
     chunk_gated_delta_rule_by_slot_,
     fla_available,
 )
-from a4.kernels.gdn_decode import conv_update_by_slot_, gated_delta_rule_update_by_slot_  # noqa: E402
+from a4.kernels.gdn_decode import (  # noqa: E402
+    conv_update_by_slot_,
+    conv_verify_by_slot_,
+    gated_delta_rule_update_by_slot_,
+    gated_delta_rule_verify_by_slot_,
+)
 from a4.kernels.paged_attention import paged_decode_attention  # noqa: E402
 from a4.kernels.activation import silu_and_mul, use_fused_activation  # noqa: E402
 from a4.kernels.gemv import MAX_ROWS, TILE, gemv, linear, use_gemv  # noqa: E402
@@ -285,6 +293,106 @@ def test_gdn_decode_kernels_reject_mismatched_shapes():
     params = randn(shapes["hv"], seed=55)
     with pytest.raises(ValueError, match="float32"):
         gated_delta_rule_update_by_slot_(**inputs, A_log=params, dt_bias=params, state=state, slots=torch.zeros(2))
+
+
+def gdn_verify_setup(shapes: dict, dtype: torch.dtype, length: int, seed: int):
+    """A batch of three requests and a padded one, L tokens each, the layer's parameters, a random pool and zeroed
+    verify buffers: (slots, x, inputs, params, conv_state, state, conv_verify, state_verify)."""
+    hv, dk, dv, kernel, dim = shapes["hv"], shapes["dk"], shapes["dv"], shapes["kernel"], shapes["conv_dim"]
+    slots = torch.tensor([4, 1, 3, DUMMY_SLOT], device=DEVICE)
+    rows = len(slots) * length
+    x = randn(rows, dim, dtype=dtype, seed=seed)
+    inputs = gdn_decode_inputs(shapes, dtype, rows, seed=seed + 1)
+    params = dict(
+        weight=randn(dim, 1, kernel, dtype=dtype, seed=seed + 10, scale=kernel**-0.5),
+        A_log=torch.empty(hv, device=DEVICE).uniform_(0.05, 0.8, generator=gen(seed + 11)).log().to(dtype),
+        dt_bias=torch.empty(hv, device=DEVICE).uniform_(-1.5, 0.5, generator=gen(seed + 12)).to(dtype),
+    )
+    conv_state = randn(NUM_SLOTS, dim, kernel - 1, dtype=dtype, seed=seed + 13)
+    state = randn(NUM_SLOTS, hv, dk, dv, seed=seed + 14, scale=0.1)
+    conv_verify = torch.zeros(NUM_SLOTS, length, dim, kernel - 1, dtype=dtype, device=DEVICE)
+    state_verify = torch.zeros(NUM_SLOTS, length, hv, dk, dv, device=DEVICE)
+    return slots, x, inputs, params, conv_state, state, conv_verify, state_verify
+
+
+@pytest.mark.parametrize("length", [1, 2, 4])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("preset", ["0.8b", "tiny"])
+def test_gdn_verify_kernels_are_the_decode_kernels_token_after_token(preset, dtype, length):
+    """What makes a bfloat16 verify accept drafts taken from a plain run: each token's output and the state after
+    it are, bit for bit, what decode steps of the same tokens give; the slots' own rows are only read."""
+    shapes = gdn_shapes(preset)
+    slots, x, inputs, params, conv_state, state, conv_verify, state_verify = gdn_verify_setup(
+        shapes, dtype, length, seed=100
+    )
+    conv_before, state_before = conv_state.clone(), state.clone()
+    y = conv_verify_by_slot_(x, params["weight"], conv_state, slots, conv_verify)
+    o = gated_delta_rule_verify_by_slot_(
+        **inputs, A_log=params["A_log"], dt_bias=params["dt_bias"], state=state, slots=slots,
+        verify_states=state_verify, out_dtype=dtype,
+    )  # fmt: skip
+    assert torch.equal(conv_state, conv_before) and torch.equal(state, state_before)
+
+    conv_decode, state_decode = conv_before.clone(), state_before.clone()
+    real = slots != DUMMY_SLOT
+    for j in range(length):
+        at_j = slice(j, None, length)  # token j of every request
+        y_j = conv_update_by_slot_(x[at_j], params["weight"], conv_decode, slots)
+        o_j = gated_delta_rule_update_by_slot_(
+            *(t[at_j] for t in inputs.values()), params["A_log"], params["dt_bias"], state_decode, slots,
+            out_dtype=dtype,
+        )  # fmt: skip
+        assert torch.equal(y[at_j][real], y_j[real]), f"conv output of token {j}"
+        assert torch.equal(o[at_j][real], o_j[real]), f"rule output of token {j}"
+        for slot in slots[real].tolist():
+            assert torch.equal(conv_verify[slot, j], conv_decode[slot]), f"conv state after token {j}, slot {slot}"
+            assert torch.equal(state_verify[slot, j], state_decode[slot]), f"state after token {j}, slot {slot}"
+    # Slots in no request: their verify rows are as they were.
+    for untouched in (0, 2, 5):
+        assert not conv_verify[untouched].any() and not state_verify[untouched].any()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_gdn_verify_kernels_match_notebook_11s_verify_functions(dtype):
+    from a4.layers.deltanet import gated_delta_inputs
+    from a4.speculative.verify import causal_conv1d_verify, gated_delta_rule_verify
+
+    shapes, length = gdn_shapes("0.8b"), 4
+    slots, x, inputs, params, conv_state, state, conv_verify, state_verify = gdn_verify_setup(
+        shapes, dtype, length, seed=200
+    )
+    real = slots[:3]  # the padded request's slot is shared garbage
+    y = conv_verify_by_slot_(x, params["weight"], conv_state, slots, conv_verify)
+    o = gated_delta_rule_verify_by_slot_(
+        **inputs, A_log=params["A_log"], dt_bias=params["dt_bias"], state=state, slots=slots,
+        verify_states=state_verify,
+    )  # fmt: skip
+
+    per_request = lambda t: t.unflatten(0, (len(slots), length))[:3]  # noqa: E731
+    y_expected, conv_expected = causal_conv1d_verify(per_request(x), params["weight"], conv_state[real])
+    torch.testing.assert_close(per_request(y), y_expected, **conv_tolerance(dtype))
+    # Stored inputs, shifted: exact.
+    assert torch.equal(conv_verify[real], conv_expected)
+    prepared = gated_delta_inputs(**inputs, A_log=params["A_log"], dt_bias=params["dt_bias"])
+    o_expected, states_expected = gated_delta_rule_verify(*(per_request(t) for t in prepared), state[real])
+    torch.testing.assert_close(per_request(o), o_expected, **rule_tolerance(dtype))
+    torch.testing.assert_close(state_verify[real], states_expected, **rule_tolerance(dtype))
+
+
+def test_gdn_verify_kernels_reject_buffers_that_do_not_fit():
+    shapes = gdn_shapes("tiny")
+    slots, x, inputs, params, conv_state, state, conv_verify, state_verify = gdn_verify_setup(
+        shapes, torch.float32, 2, seed=300
+    )
+    with pytest.raises(ValueError, match="verify_states"):
+        conv_verify_by_slot_(x, params["weight"], conv_state, slots, conv_verify[:, :, 1:])
+    with pytest.raises(ValueError, match="slots"):
+        conv_verify_by_slot_(x, params["weight"], conv_state, slots[:3], conv_verify)
+    with pytest.raises(ValueError, match="verify_states"):
+        gated_delta_rule_verify_by_slot_(
+            **inputs, A_log=params["A_log"], dt_bias=params["dt_bias"], state=state, slots=slots,
+            verify_states=state_verify[:4],
+        )  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------- paged decode attention

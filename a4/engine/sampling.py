@@ -50,8 +50,9 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, reqs: list[Req]) -> list[Sample]:
         """One token (or an error) per row of logits [len(reqs), vocab] (float32)."""
-        tokens = logits.argmax(dim=-1).tolist()
-        errors = logits_errors(logits)
+        # One copy to the host for the whole step: the greedy tokens and which rows are finite.
+        tokens, finite = torch.stack([logits.argmax(dim=-1), torch.isfinite(logits).all(dim=-1).long()]).tolist()
+        errors = _errors(finite, logits)
         samples = []
         for i, req in enumerate(reqs):
             if errors[i] is not None:
@@ -82,7 +83,10 @@ def sampling_distribution(logits: torch.Tensor, params: SamplingParams) -> torch
 
 def logits_errors(logits: torch.Tensor) -> list[str | None]:
     """Per row of logits [N, ...]: why it cannot be sampled (it is not finite), or None."""
-    finite = torch.isfinite(logits.flatten(1)).all(dim=-1).tolist()
+    return _errors(torch.isfinite(logits.flatten(1)).all(dim=-1).tolist(), logits)
+
+
+def _errors(finite: list[bool], logits: torch.Tensor) -> list[str | None]:
     return [None if ok else _non_finite_error(row) for ok, row in zip(finite, logits)]
 
 

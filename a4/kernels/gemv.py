@@ -50,26 +50,45 @@ TILE = (4, 1024, 4, 3)
 
 
 @triton.jit
+def _row_dot(x_ptr, row, stride_x, k, in_k, w):
+    """One row's share of one K block: the same instructions whichever row, and however many rows the call has."""
+    x = tl.load(x_ptr + row * stride_x + k, mask=in_k, other=0.0)
+    return tl.sum(x.to(tl.float32)[None, :] * w.to(tl.float32), axis=1)
+
+
+@triton.jit
 def _gemv_kernel(
     x_ptr, w_ptr, y_ptr,
-    rows, out_features, in_features,
+    out_features, in_features,
     stride_x, stride_w, stride_y,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    # One program per (token row, block of output features). A block's programs for every row are adjacent: they
-    # run together, and the rows after the first mostly read W's tiles from L2.
-    program = tl.program_id(0)
-    row = program % rows
-    n = (program // rows) * BLOCK_N + tl.arange(0, BLOCK_N)
+    # One program per block of output features, for every row: each tile of W is read once and used ROWS times.
+    # A row has its own accumulator (MAX_ROWS = 4 of them, named, as Triton has no arrays of tensors).
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     in_n = n < out_features
-    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    acc0 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    acc1 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    acc3 = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for start in range(0, in_features, BLOCK_K):
         k = start + tl.arange(0, BLOCK_K)
         in_k = k < in_features
         w = tl.load(w_ptr + n[:, None] * stride_w + k[None, :], mask=in_n[:, None] & in_k[None, :], other=0.0)
-        x = tl.load(x_ptr + row * stride_x + k, mask=in_k, other=0.0)
-        acc += tl.sum(x.to(tl.float32)[None, :] * w.to(tl.float32), axis=1)
-    tl.store(y_ptr + row * stride_y + n, acc.to(y_ptr.dtype.element_ty), mask=in_n)
+        acc0 += _row_dot(x_ptr, 0, stride_x, k, in_k, w)
+        if ROWS > 1:
+            acc1 += _row_dot(x_ptr, 1, stride_x, k, in_k, w)
+        if ROWS > 2:
+            acc2 += _row_dot(x_ptr, 2, stride_x, k, in_k, w)
+        if ROWS > 3:
+            acc3 += _row_dot(x_ptr, 3, stride_x, k, in_k, w)
+    tl.store(y_ptr + n, acc0.to(y_ptr.dtype.element_ty), mask=in_n)
+    if ROWS > 1:
+        tl.store(y_ptr + stride_y + n, acc1.to(y_ptr.dtype.element_ty), mask=in_n)
+    if ROWS > 2:
+        tl.store(y_ptr + 2 * stride_y + n, acc2.to(y_ptr.dtype.element_ty), mask=in_n)
+    if ROWS > 3:
+        tl.store(y_ptr + 3 * stride_y + n, acc3.to(y_ptr.dtype.element_ty), mask=in_n)
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, tile: tuple[int, int, int, int] = TILE) -> torch.Tensor:
@@ -89,11 +108,11 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, tile: tuple[int, int, int, int] 
     y = torch.empty(num_rows, out_features, dtype=x.dtype, device=x.device)
     if num_rows:
         block_n, block_k, num_warps, num_stages = tile
-        _gemv_kernel[(num_rows * triton.cdiv(out_features, block_n),)](
+        _gemv_kernel[(triton.cdiv(out_features, block_n),)](
             rows, weight, y,
-            num_rows, out_features, in_features,
+            out_features, in_features,
             rows.stride(0), weight.stride(0), y.stride(0),
-            BLOCK_N=block_n, BLOCK_K=block_k,
+            ROWS=num_rows, BLOCK_N=block_n, BLOCK_K=block_k,
             num_warps=num_warps, num_stages=num_stages,
         )  # fmt: skip
     return y.view(*x.shape[:-1], out_features)

@@ -175,15 +175,17 @@ class StatePool:
         # Imported here: an exercise of notebook 11, which serving without speculation must not need.
         from a4.speculative.verify import commit_verified_states_
 
-        layers = torch.arange(self.num_layers, device=slots.device)
-        rows = (layers[:, None] * self.num_slots + slots[None, :]).flatten()  # layer-major, as the buffers are
+        # The (layer, slot) rows, layer-major as the buffers are, and their lengths: a few ints, built on the host
+        # and moved in one copy (on a GPU these launches sit between two verify steps' graphs).
+        rows = (torch.arange(self.num_layers)[:, None] * self.num_slots + slots.cpu()[None, :]).flatten()
+        rows, kept_lens = torch.stack([rows, kept_lens.cpu().repeat(self.num_layers)]).to(self.device).unbind()
         commit_verified_states_(
             self._conv.flatten(0, 1),
             self._recurrent.flatten(0, 1),
-            self._verify_conv[:, slots].flatten(0, 1),
-            self._verify_recurrent[:, slots].flatten(0, 1),
+            self._verify_conv.flatten(0, 1).index_select(0, rows),
+            self._verify_recurrent.flatten(0, 1).index_select(0, rows),
             rows,
-            kept_lens.repeat(self.num_layers),
+            kept_lens,
         )
 
     def _layer(self, gdn_layer: int) -> int:

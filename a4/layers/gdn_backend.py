@@ -20,11 +20,11 @@ The backends, and whose functions they are made of:
   verify functions for TARGET_VERIFY;
 - `BySlotGDNBackend` (the static-buffer runner on the CPU, a4/engine/graph_runner.py): notebook 10's graph-safe
   by-slot step for DECODE, notebook 11's verify functions (graph-safe too) for TARGET_VERIFY;
-- `TritonGDNBackend` (CUDA): a4's Triton by-slot kernels for DECODE, and for TARGET_VERIFY once per position, so a
-  verify computes what decode steps compute (their o comes already rounded to the model dtype, the value the
-  layer's cast gives it, so that cast launches nothing); flash-linear-attention's varlen kernels for a bfloat16
-  EXTEND where installed (the `gpu` extra), else notebook 04's functions. Tested against the students' reference
-  functions.
+- `TritonGDNBackend` (CUDA): a4's Triton by-slot kernels for DECODE, and the same kernels walking a request's L
+  tokens for TARGET_VERIFY, so that a verify computes what decode steps compute (their o comes already rounded to
+  the model dtype, the value the layer's cast gives it, so that cast launches nothing); flash-linear-attention's
+  varlen kernels for a bfloat16 EXTEND where installed (the `gpu` extra), else notebook 04's functions. Tested
+  against the students' reference functions.
 
 `HybridAttnBackend` is what a hybrid model's ForwardBatch carries: the attention backend for the full-attention
 layers and one of these for the GDN layers, both prepared once per step.
@@ -32,7 +32,6 @@ layers and one of these for the GDN layers, both prepared once per step.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from types import ModuleType
 
 import torch
@@ -124,7 +123,7 @@ class BySlotGDNBackend(TorchGDNBackend):
 
 
 class TritonGDNBackend(BySlotGDNBackend):
-    """CUDA: a4's Triton by-slot kernels (decode, and verify one position at a time), flash-linear-attention for a
+    """CUDA: a4's Triton by-slot kernels (decode, and verify in one launch per layer), flash-linear-attention for a
     bfloat16 prefill where it is installed: notebook 04's chunked rule loops over chunks in Python, thousands of
     launches for a long prompt."""
 
@@ -139,11 +138,8 @@ class TritonGDNBackend(BySlotGDNBackend):
     def conv(self, x: torch.Tensor, weight: torch.Tensor, gdn_layer: int, fb: ForwardBatch) -> torch.Tensor:
         conv_state = fb.state_pool.conv_state(gdn_layer)
         if fb.mode is ForwardMode.TARGET_VERIFY:
-
-            def step(x_j, scratch, rows):
-                return self.ops.conv_update_by_slot_(x_j, weight, scratch, rows)
-
-            return _verify_by_position(step, (x,), conv_state, fb.state_pool.verify_conv_states(gdn_layer), fb)
+            verify_states = fb.state_pool.verify_conv_states(gdn_layer)
+            return self.ops.conv_verify_by_slot_(x, weight, conv_state, fb.slots, verify_states)
         if fb.mode is ForwardMode.EXTEND and self.fla_prefill:
             from a4.kernels.fla_prefill import causal_conv1d_prefill_by_slot_
 
@@ -152,46 +148,21 @@ class TritonGDNBackend(BySlotGDNBackend):
 
     def delta_rule(self, q, k, v, a, b, A_log, dt_bias, gdn_layer: int, fb: ForwardBatch) -> torch.Tensor:
         state = fb.state_pool.recurrent_state(gdn_layer)
-        if fb.mode in (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY):
-
-            # o comes in the model dtype, the value the layer's cast would give it: that cast launches nothing.
-            def step(q_j, k_j, v_j, a_j, b_j, scratch, rows):
-                return self.ops.gated_delta_rule_update_by_slot_(
-                    q_j, k_j, v_j, a_j, b_j, A_log, dt_bias, scratch, rows, out_dtype=v.dtype
-                )
-
-            if fb.mode is ForwardMode.DECODE:
-                return step(q, k, v, a, b, state, fb.slots)
+        # o comes in the model dtype, the value the layer's cast would give it: that cast launches nothing.
+        if fb.mode is ForwardMode.DECODE:
+            return self.ops.gated_delta_rule_update_by_slot_(
+                q, k, v, a, b, A_log, dt_bias, state, fb.slots, out_dtype=v.dtype
+            )
+        if fb.mode is ForwardMode.TARGET_VERIFY:
             verify_states = fb.state_pool.verify_recurrent_states(gdn_layer)
-            return _verify_by_position(step, (q, k, v, a, b), state, verify_states, fb)
+            return self.ops.gated_delta_rule_verify_by_slot_(
+                q, k, v, a, b, A_log, dt_bias, state, fb.slots, verify_states, out_dtype=v.dtype
+            )
         if fb.mode is ForwardMode.EXTEND and self.fla_prefill:
             from a4.kernels.fla_prefill import chunk_gated_delta_rule_by_slot_
 
             return chunk_gated_delta_rule_by_slot_(q, k, v, a, b, A_log, dt_bias, state, fb.slots, fb.cu_seqlens)
         return super().delta_rule(q, k, v, a, b, A_log, dt_bias, gdn_layer, fb)
-
-
-def _verify_by_position(
-    step: Callable[..., torch.Tensor],
-    inputs: tuple[torch.Tensor, ...],
-    state: torch.Tensor,
-    verify_states: torch.Tensor,
-    fb: ForwardBatch,
-) -> torch.Tensor:
-    """Run a by-slot decode `step(*inputs_at_j, scratch, rows)` once per verify position over scratch copies of the
-    requests' states, keeping the state after each position in `verify_states` at the requests' slots; the pool's
-    own rows are not written. `inputs`: tensors [T, ...], request after request, L tokens each."""
-    batch, length = fb.batch_size, fb.tokens_per_request
-    rows = torch.arange(batch, device=state.device)
-    scratch = state.index_select(0, fb.slots)
-    after = scratch.new_empty(batch, length, *scratch.shape[1:])
-    per_request = [x.unflatten(0, (batch, length)) for x in inputs]
-    outputs = []
-    for j in range(length):
-        outputs.append(step(*(x[:, j] for x in per_request), scratch, rows))
-        after[:, j] = scratch
-    verify_states[fb.slots] = after
-    return torch.stack(outputs, dim=1).flatten(0, 1)
 
 
 class HybridAttnBackend:

@@ -102,17 +102,18 @@ class SpeculativeWorker(ModelWorker):
         for accept, samples in ((self._accept_greedy, False), (self._accept_sampled, True)):
             rows = [i for i, s in enumerate(sampled) if s == samples]
             if rows:
-                found = accept([reqs[i] for i in rows], [drafts[i] for i in rows], logits[rows])
+                # All rows (the usual case) need no gather of the logits.
+                mine = logits if len(rows) == len(reqs) else logits[rows]
+                found = accept([reqs[i] for i in rows], [drafts[i] for i in rows], mine)
                 for i, a, token, error in zip(rows, *found):
                     accepted[i], last_tokens[i], errors[i] = a, token, error
         next_tokens = [
             self.keep_tokens(req, d[:a] + [t]) for req, d, t, a in zip(reqs, drafts, last_tokens, accepted)
         ]
         if self.runner.state_pool is not None:
-            device = self.runner.device
-            slots = torch.tensor([req.slot for req in reqs], device=device)
+            slots = torch.tensor([req.slot for req in reqs])
             # At least the model's own token is kept: the last committed one was fed at verify position 0.
-            kept_lens = torch.tensor([max(len(tokens), 1) for tokens in next_tokens], device=device)
+            kept_lens = torch.tensor([max(len(tokens), 1) for tokens in next_tokens])
             self.runner.state_pool.commit_verified(slots, kept_lens)
         return next_tokens, errors, sum(accepted)
 
@@ -125,8 +126,8 @@ class SpeculativeWorker(ModelWorker):
             mine = samples[i * width : (i + 1) * width]
             errors.append(next((s.error for s in mine if s.error is not None), None))
             targets.append([s.token if s.token is not None else -1 for s in mine])
-        device = self.runner.device
-        accepted = greedy_accept(torch.tensor(drafts, device=device), torch.tensor(targets, device=device)).tolist()
+        # On the host, where the sampler's tokens already are: a few ints are not worth launches and a sync.
+        accepted = greedy_accept(torch.tensor(drafts), torch.tensor(targets)).tolist()
         return accepted, [t[a] for t, a in zip(targets, accepted)], errors
 
     def _accept_sampled(self, reqs: list[Req], drafts: list[list[int]], logits: torch.Tensor):
