@@ -4,9 +4,10 @@ Why a kernel of our own: with one to four rows, a linear layer is a matrix-vecto
 from HBM. cuBLAS tiles it as a GEMM and, for the layers whose output is narrow, spreads it over too few thread
 blocks: on an H200, Qwen3.5-0.8B's `down_proj` (3584 -> 1024, 7.3 MB) took 10.4 us at batch 1, 0.7 TB/s of a 4.8
 TB/s memory, and the GDN `out_proj` and attention `o_proj` (2048 -> 1024) ran as slowly; together a fifth of the
-decode step. Here each program owns one token row and BLOCK_N output features and streams their rows of W
-(BLOCK_N x BLOCK_K tiles, pipelined over K); the programs of one feature block are adjacent, so the other rows
-mostly find W's tiles in L2 (on the H200 four rows took 1.8x one row's time, not 4x).
+decode step. Here each program owns BLOCK_N output features and streams their rows of W (BLOCK_N x BLOCK_K tiles,
+pipelined over K), applying each tile to every token row of the call before the next is read: W is read once
+whatever the row count (a batch-1 verify step's 97 projections of 4 rows took 1.15 ms of GPU time on the H200, 1.5x
+the decode step's 0.76 ms at one row; 1.40 ms, 1.8x, when each row had programs of its own and found W in L2).
 
 The tile (TILE) and the layers that take the kernel were chosen by timing the 0.8B model's decode projections inside
 CUDA graphs on an H200, eight tiles side by side with cuBLAS (the GPU's time alone, bf16; solutions/REPORT.md §5):
@@ -22,10 +23,11 @@ come out the same whatever rows share its call. A speculative verify step at bat
 decode step multiplies one, and its rows must be what the decode steps would compute, or the verify rejects drafts
 that plain decoding would have chosen. cuBLAS chooses its kernel (tile, split of K) by the row count, so on the H200
 the 4 rows of a k = 3 verify came out otherwise than 4 one-row steps, and 7% of oracle drafts were accepted (random
-weights leave the top logits so close that one bfloat16 rounding moves the argmax). Here a row is its own program:
-its dot products are the same instructions, over the same K blocks in the same order, however many rows the call
-has. (A first version kept all rows of a block in one program, [MAX_ROWS, BLOCK_N] in registers, for invariance:
-its one-row step on the H200 was 0.57 ms slower than cuBLAS for the wide projections.)
+weights leave the top logits so close that one bfloat16 rounding moves the argmax). Here each row has its own
+accumulator and its own reduction of each tile (`_row_dot`): its dot products are the same instructions, over the
+same K blocks in the same order, however many rows the call has, and a one-row call compiles to exactly the one-row
+kernel. (A first version held the rows as one [MAX_ROWS, BLOCK_N] block of registers, reduced together: its one-row
+step on the H200 was 0.57 ms slower than cuBLAS for the wide projections.)
 
 The arithmetic is a dot product per output in float32, cast to x's dtype at the end, as cuBLAS computes a bfloat16
 GEMM (the sum is taken in another order). `use_gemv(model)` routes a model's bias-free linear layers (and merged
