@@ -438,3 +438,23 @@ def test_serve_summary_arithmetic():
 def test_serve_options_belong_to_bench_serve(capsys):
     assert cli.main(["bench", "engine", "--base-url", "http://127.0.0.1:1"]) == cli.USAGE_ERROR
     assert "--base-url is an option of bench serve only" in capsys.readouterr().err
+
+
+def test_the_gpu_reports_commit_says_when_the_tree_is_not_that_commit(tmp_path):
+    """A copy of the tree on another machine may carry an older .git: the report must not pass its HEAD off as the
+    code that ran."""
+
+    def git(*args):
+        command = ["git", "-c", "user.name=a4", "-c", "user.email=a4@example.invalid", *args]
+        return subprocess.run(command, cwd=tmp_path, check=True, capture_output=True, text=True).stdout.strip()
+
+    assert gpu.tree_commit(tmp_path) == "unknown"
+    git("init", "-q")
+    (tmp_path / "code.py").write_text("x = 1\n")
+    git("add", "code.py")
+    git("commit", "-qm", "first")
+    head = git("rev-parse", "--short", "HEAD")
+    (tmp_path / "notes.txt").write_text("untracked files are not the measured code\n")
+    assert gpu.tree_commit(tmp_path) == head
+    (tmp_path / "code.py").write_text("x = 2\n")
+    assert gpu.tree_commit(tmp_path) == f"{head}+changes"

@@ -504,13 +504,21 @@ def installed_version(distributions: tuple[str, ...]) -> str | None:
     return None
 
 
-def meta(device: str, workload: Workload, with_fla: bool) -> dict:
+def tree_commit(root: Path = REPO_ROOT) -> str:
+    """The commit the measured code is: HEAD's short hash, with "+changes" when tracked files differ from it (a copy
+    of the tree sent to another machine may carry an older .git), or "unknown" without a .git."""
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, check=True).stdout.strip()
+
     try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, check=True
-        ).stdout.strip()
+        commit = git("rev-parse", "--short", "HEAD")
+        return commit + "+changes" if git("status", "--porcelain", "--untracked-files=no") else commit
     except (OSError, subprocess.CalledProcessError):
-        commit = "unknown"  # a copy of the tree without its .git
+        return "unknown"
+
+
+def meta(device: str, workload: Workload, with_fla: bool) -> dict:
     return {
         "device": device,
         "torch": torch.__version__,
@@ -520,7 +528,7 @@ def meta(device: str, workload: Workload, with_fla: bool) -> dict:
         "dtype": DTYPE_NAME,
         "shapes": workload.preset,
         "date": datetime.date.today().isoformat(),
-        "commit": commit,
+        "commit": tree_commit(),
     }
 
 
