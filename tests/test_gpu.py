@@ -118,8 +118,9 @@ def test_bfloat16_tokens_are_the_float32_models_choices(model):
 @pytest.mark.parametrize("cuda_graphs", [True, False])
 @pytest.mark.parametrize("correct", [0, 1, 3])
 def test_speculative_decoding_equals_transformers(model, correct, cuda_graphs):
-    # The verify pass on CUDA: a4's Triton GDN steps over scratch states, kept per position, then committed; the
-    # verify steps go through the static-buffer runner, captured as CUDA graphs of their own.
+    # The verify pass on CUDA: a4's Triton GDN kernels over the k + 1 positions in one launch per layer, the states
+    # after each kept in the pool's verify buffers, then committed; the verify steps go through the static-buffer
+    # runner, captured as CUDA graphs of their own.
     from a4.core import ForwardMode
     from a4.speculative.drafter import OracleDrafter
 

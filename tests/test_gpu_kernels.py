@@ -296,10 +296,11 @@ def test_gdn_decode_kernels_reject_mismatched_shapes():
 
 
 def gdn_verify_setup(shapes: dict, dtype: torch.dtype, length: int, seed: int):
-    """A batch of three requests and a padded one, L tokens each, the layer's parameters, a random pool and zeroed
-    verify buffers: (slots, x, inputs, params, conv_state, state, conv_verify, state_verify)."""
+    """A batch of three requests and two padded ones sharing the dummy slot, L tokens each, the layer's parameters,
+    a random pool and zeroed verify buffers: (slots, x, inputs, params, conv_state, state, conv_verify,
+    state_verify)."""
     hv, dk, dv, kernel, dim = shapes["hv"], shapes["dk"], shapes["dv"], shapes["kernel"], shapes["conv_dim"]
-    slots = torch.tensor([4, 1, 3, DUMMY_SLOT], device=DEVICE)
+    slots = torch.tensor([4, 1, 3, DUMMY_SLOT, DUMMY_SLOT], device=DEVICE)
     rows = len(slots) * length
     x = randn(rows, dim, dtype=dtype, seed=seed)
     inputs = gdn_decode_inputs(shapes, dtype, rows, seed=seed + 1)
@@ -368,7 +369,7 @@ def test_gdn_verify_kernels_match_notebook_11s_verify_functions(dtype):
         verify_states=state_verify,
     )  # fmt: skip
 
-    per_request = lambda t: t.unflatten(0, (len(slots), length))[:3]  # noqa: E731
+    per_request = lambda t: t.unflatten(0, (len(slots), length))[:3]  # noqa: E731 - the real requests' tokens
     y_expected, conv_expected = causal_conv1d_verify(per_request(x), params["weight"], conv_state[real])
     torch.testing.assert_close(per_request(y), y_expected, **conv_tolerance(dtype))
     # Stored inputs, shifted: exact.
@@ -389,10 +390,18 @@ def test_gdn_verify_kernels_reject_buffers_that_do_not_fit():
     with pytest.raises(ValueError, match="slots"):
         conv_verify_by_slot_(x, params["weight"], conv_state, slots[:3], conv_verify)
     with pytest.raises(ValueError, match="verify_states"):
-        gated_delta_rule_verify_by_slot_(
-            **inputs, A_log=params["A_log"], dt_bias=params["dt_bias"], state=state, slots=slots,
-            verify_states=state_verify[:4],
-        )  # fmt: skip
+        conv_verify_by_slot_(x, params["weight"], conv_state, slots, conv_verify.double())
+    rule = dict(**inputs, A_log=params["A_log"], dt_bias=params["dt_bias"], state=state)
+    with pytest.raises(ValueError, match="verify_states"):
+        gated_delta_rule_verify_by_slot_(**rule, slots=slots, verify_states=state_verify[:4])
+    with pytest.raises(ValueError, match="float32"):
+        gated_delta_rule_verify_by_slot_(**rule, slots=slots, verify_states=state_verify.bfloat16())
+    # 9 rows for 4 requests of 2 tokens (the kernel would leave the last row unwritten), and slots not [B].
+    short = {name: t[:-1] if name in inputs else t for name, t in rule.items()}
+    with pytest.raises(ValueError, match="slots"):
+        gated_delta_rule_verify_by_slot_(**short, slots=slots[1:], verify_states=state_verify)
+    with pytest.raises(ValueError, match="slots"):
+        conv_verify_by_slot_(x, params["weight"], conv_state, slots[0], conv_verify)
 
 
 # ---------------------------------------------------------------------------------------- paged decode attention
@@ -714,6 +723,7 @@ def test_gemv_gives_a_row_the_same_bits_whatever_rows_share_its_call(out_feature
     for row in range(MAX_ROWS):
         assert torch.equal(gemv(x[row : row + 1], weight), together[row : row + 1]), f"row {row}"
     assert torch.equal(gemv(x[1:3], weight), together[1:3])
+    assert torch.equal(gemv(x[:3], weight), together[:3])
 
 
 def test_linear_takes_the_kernel_for_at_most_max_rows_rows(monkeypatch):

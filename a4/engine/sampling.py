@@ -86,7 +86,8 @@ def logits_errors(logits: torch.Tensor) -> list[str | None]:
     return _errors(torch.isfinite(logits.flatten(1)).all(dim=-1).tolist(), logits)
 
 
-def _errors(finite: list[bool], logits: torch.Tensor) -> list[str | None]:
+def _errors(finite: list, logits: torch.Tensor) -> list[str | None]:
+    """finite: per row, whether it is finite (bools, or 0 / 1)."""
     return [None if ok else _non_finite_error(row) for ok, row in zip(finite, logits)]
 
 

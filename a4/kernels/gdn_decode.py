@@ -102,7 +102,7 @@ def _conv(x, weight, conv_state, slots, out, length: int, name: str) -> torch.Te
             f"{name}: x {tuple(x.shape)}, weight {tuple(weight.shape)} and conv_state "
             f"{tuple(conv_state.shape)} do not fit x [T, D], weight [D, 1, K], conv_state [slots, D, K-1]"
         )
-    if x.shape[0] != slots.shape[0] * length or slots.dim() != 1:
+    if slots.dim() != 1 or x.shape[0] != slots.shape[0] * length:
         raise ValueError(
             f"{name}: slots {tuple(slots.shape)} should be [{x.shape[0] // length}] for x {tuple(x.shape)}"
         )
@@ -128,7 +128,7 @@ def conv_update_by_slot_(
     x [B, D] (model dtype); weight [D, 1, K]; conv_state [num_slots, D, K-1]; slots [B] int64 on x's device.
     Returns y [B, D] in x's dtype; conv_state[slots] becomes the last K-1 inputs.
     """
-    # The state after the one token goes back to the slot's own row: a position axis of stride 0.
+    # The state after the one token goes back to the slot's own row: a position axis of length 1, never stepped.
     return _conv(x, weight, conv_state, slots, conv_state.unsqueeze(1), 1, "conv_update_by_slot_")
 
 
@@ -143,10 +143,12 @@ def conv_verify_by_slot_(
     states). Returns y [B * L, D] in x's dtype.
     """
     length = verify_states.shape[1]
-    if verify_states.shape[0] != conv_state.shape[0] or verify_states.shape[2:] != conv_state.shape[1:]:
+    fits = verify_states.shape[0] == conv_state.shape[0] and verify_states.shape[2:] == conv_state.shape[1:]
+    if not fits or verify_states.dtype != conv_state.dtype:
         raise ValueError(
-            f"conv_verify_by_slot_: verify_states {tuple(verify_states.shape)} should be [slots, L, "
-            f"{', '.join(map(str, conv_state.shape[1:]))}] for conv_state {tuple(conv_state.shape)}"
+            f"conv_verify_by_slot_: verify_states {verify_states.dtype} {tuple(verify_states.shape)} should be "
+            f"{conv_state.dtype} [slots, L, {', '.join(map(str, conv_state.shape[1:]))}] for conv_state "
+            f"{tuple(conv_state.shape)}"
         )
     return _conv(x, weight, conv_state, slots, verify_states, length, "conv_verify_by_slot_")
 
@@ -214,10 +216,11 @@ def _gated_delta_rule(q, k, v, a, b, A_log, dt_bias, state, slots, out, length: 
         raise ValueError(
             f"{name}: state {state.dtype} {tuple(state.shape)} should be float32 [slots, {num_v_heads}, {dk}, {dv}]"
         )
-    if a.shape != (rows, num_v_heads) or b.shape != (rows, num_v_heads) or slots.shape != (rows // length,):
+    slots_fit = slots.dim() == 1 and rows == slots.shape[0] * length
+    if a.shape != (rows, num_v_heads) or b.shape != (rows, num_v_heads) or not slots_fit:
         raise ValueError(
-            f"{name}: a {tuple(a.shape)}, b {tuple(b.shape)}, slots {tuple(slots.shape)} "
-            f"should be [{rows}, {num_v_heads}], [{rows}, {num_v_heads}], [{rows // length}]"
+            f"{name}: a {tuple(a.shape)}, b {tuple(b.shape)}, slots {tuple(slots.shape)} should be [{rows}, "
+            f"{num_v_heads}], [{rows}, {num_v_heads}] and [{rows} / {length} tokens per request]"
         )
     q, k, v = (t if t.stride(2) == 1 else t.contiguous() for t in (q, k, v))
     a, b = (t if t.stride(1) == 1 else t.contiguous() for t in (a, b))
@@ -259,7 +262,7 @@ def gated_delta_rule_update_by_slot_(
     stored as `out_dtype`: the model dtype saves the layer's cast to it, a launch (the same rounding). The l2-norm of
     q and k, q's dk^-0.5, the head grouping, beta and g are computed inside the kernel, as the layer does them.
     """
-    # The state after the one token goes back to the slot's own row: a position axis of stride 0.
+    # The state after the one token goes back to the slot's own row: a position axis of length 1, never stepped.
     out = state.unsqueeze(1)
     name = "gated_delta_rule_update_by_slot_"
     return _gated_delta_rule(q, k, v, a, b, A_log, dt_bias, state, slots, out, 1, out_dtype, name)
@@ -285,10 +288,11 @@ def gated_delta_rule_verify_by_slot_(
     only read; verify_states [num_slots, L, Hv, dk, dv]: rows `slots` get S after each token (notebook 11's
     `gated_delta_rule_verify` states). Returns o [B * L, Hv, dv] as `out_dtype`.
     """
-    if verify_states.shape[0] != state.shape[0] or verify_states.shape[2:] != state.shape[1:]:
+    fits = verify_states.shape[0] == state.shape[0] and verify_states.shape[2:] == state.shape[1:]
+    if not fits or verify_states.dtype != torch.float32:
         raise ValueError(
-            f"gated_delta_rule_verify_by_slot_: verify_states {tuple(verify_states.shape)} should be [slots, L, "
-            f"{', '.join(map(str, state.shape[1:]))}] for state {tuple(state.shape)}"
+            f"gated_delta_rule_verify_by_slot_: verify_states {verify_states.dtype} {tuple(verify_states.shape)} "
+            f"should be float32 [slots, L, {', '.join(map(str, state.shape[1:]))}] for state {tuple(state.shape)}"
         )
     length, name = verify_states.shape[1], "gated_delta_rule_verify_by_slot_"
     return _gated_delta_rule(q, k, v, a, b, A_log, dt_bias, state, slots, verify_states, length, out_dtype, name)

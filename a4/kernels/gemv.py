@@ -46,7 +46,7 @@ from torch import nn
 
 # Rows a call may have to take the kernel: decode at batch 1 to 4, a batch-1 verify step of up to 3 drafts. With
 # more rows cuBLAS's GEMM tiles do better.
-MAX_ROWS = 4
+MAX_ROWS = 4  # the kernel's accumulators are named, one per row: raising it means adding some
 # (BLOCK_N, BLOCK_K, num_warps, num_stages), measured as the module docstring says.
 TILE = (4, 1024, 4, 3)
 

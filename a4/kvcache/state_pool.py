@@ -175,6 +175,11 @@ class StatePool:
         # Imported here: an exercise of notebook 11, which serving without speculation must not need.
         from a4.speculative.verify import commit_verified_states_
 
+        if kept_lens.shape != slots.shape or slots.dim() != 1:
+            raise ValueError(
+                f"commit_verified: slots and kept_lens must be two [B] tensors; got {tuple(slots.shape)} and "
+                f"{tuple(kept_lens.shape)}"
+            )
         # The (layer, slot) rows, layer-major as the buffers are, and their lengths: a few ints, built on the host
         # and moved in one copy (on a GPU these launches sit between two verify steps' graphs).
         rows = (torch.arange(self.num_layers)[:, None] * self.num_slots + slots.cpu()[None, :]).flatten()
