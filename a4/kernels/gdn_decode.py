@@ -142,15 +142,20 @@ def conv_verify_by_slot_(
     [num_slots, L, D, K-1]: rows `slots` get the conv state after each token (notebook 11's `causal_conv1d_verify`
     states). Returns y [B * L, D] in x's dtype.
     """
-    length = verify_states.shape[1]
-    fits = verify_states.shape[0] == conv_state.shape[0] and verify_states.shape[2:] == conv_state.shape[1:]
-    if not fits or verify_states.dtype != conv_state.dtype:
+    name = "conv_verify_by_slot_"
+    length = _verify_length(verify_states, conv_state, name)
+    return _conv(x, weight, conv_state, slots, verify_states, length, name)
+
+
+def _verify_length(verify_states: torch.Tensor, state: torch.Tensor, name: str) -> int:
+    """L, once `verify_states` is checked to be [num_slots, L, *state's row] in the state's dtype."""
+    fits = verify_states.shape[0] == state.shape[0] and verify_states.shape[2:] == state.shape[1:]
+    if not fits or verify_states.dtype != state.dtype:
         raise ValueError(
-            f"conv_verify_by_slot_: verify_states {verify_states.dtype} {tuple(verify_states.shape)} should be "
-            f"{conv_state.dtype} [slots, L, {', '.join(map(str, conv_state.shape[1:]))}] for conv_state "
-            f"{tuple(conv_state.shape)}"
+            f"{name}: verify_states {verify_states.dtype} {tuple(verify_states.shape)} should be {state.dtype} "
+            f"[slots, L, {', '.join(map(str, state.shape[1:]))}] for the pool's {tuple(state.shape)}"
         )
-    return _conv(x, weight, conv_state, slots, verify_states, length, "conv_verify_by_slot_")
+    return verify_states.shape[1]
 
 
 @triton.jit
@@ -288,11 +293,6 @@ def gated_delta_rule_verify_by_slot_(
     only read; verify_states [num_slots, L, Hv, dk, dv]: rows `slots` get S after each token (notebook 11's
     `gated_delta_rule_verify` states). Returns o [B * L, Hv, dv] as `out_dtype`.
     """
-    fits = verify_states.shape[0] == state.shape[0] and verify_states.shape[2:] == state.shape[1:]
-    if not fits or verify_states.dtype != torch.float32:
-        raise ValueError(
-            f"gated_delta_rule_verify_by_slot_: verify_states {verify_states.dtype} {tuple(verify_states.shape)} "
-            f"should be float32 [slots, L, {', '.join(map(str, state.shape[1:]))}] for state {tuple(state.shape)}"
-        )
-    length, name = verify_states.shape[1], "gated_delta_rule_verify_by_slot_"
+    name = "gated_delta_rule_verify_by_slot_"
+    length = _verify_length(verify_states, state, name)  # float32, as _gated_delta_rule requires of state
     return _gated_delta_rule(q, k, v, a, b, A_log, dt_bias, state, slots, verify_states, length, out_dtype, name)
