@@ -205,7 +205,8 @@ def _traced_forward(model: torch.nn.Module, input_ids: list[int], cache: object 
 
     if cache is None:
         cache = DynamicCache(config=model.config)
-    past = cache.get_seq_length()
+    # int(): transformers 5.25 returns the cache's own length tensor, which the forward below advances in place.
+    past = int(cache.get_seq_length())
     kinds = _layer_kinds(model)
     records: list[dict[str, torch.Tensor]] = [{} for _ in kinds]
     handles = []
