@@ -39,7 +39,9 @@ DEMO_TEXT_TOKENS = 48  # an answer, or a few sentences of a story
 DEMO_ID_TOKENS = 8
 DEFAULT_BENCH_OUT = Path("bench-out")
 # Options of one benchmark only: the option's name -> the benchmark that takes it.
-BENCH_OPTIONS = {"system": "gpu", "parts_dir": "gpu", "model_dir": "serve", "device": "serve", "base_url": "serve"}
+BENCH_OPTIONS = {
+    "system": "gpu", "parts_dir": "gpu", "commit": "gpu", "model_dir": "serve", "device": "serve", "base_url": "serve"
+}
 USAGE_ERROR = 2
 
 
@@ -116,6 +118,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--system", help="bench gpu only: measure this one part in this process (as it runs each)")
     bench.add_argument(
         "--parts-dir", type=Path, help="bench gpu only: keep each part's JSON here, reusing those already here"
+    )
+    bench.add_argument(
+        "--commit", help="bench gpu only: the commit the report names, where the tree's own .git is not its history "
+        "(a copy sent to a lent GPU); default: HEAD, marked +changes when tracked files differ"
     )
     bench.add_argument("--model-dir", type=Path, help="bench serve only: the checkpoint to serve (with a tokenizer)")
     bench.add_argument("--device", help="bench serve only: the server's device (cpu, cuda)")

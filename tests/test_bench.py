@@ -229,7 +229,7 @@ def synthetic_gpu_parts() -> dict:
 
 
 def test_gpu_report_floors_ratios_and_schema(tmp_path, capsys):
-    report = gpu.assemble(synthetic_gpu_parts(), GPU_WORKLOAD, gpu.meta("NVIDIA H200", GPU_WORKLOAD, False))
+    report = gpu.assemble(synthetic_gpu_parts(), GPU_WORKLOAD, gpu.meta("NVIDIA H200", GPU_WORKLOAD, False, "abc1234"))
     # The schema notebook 10 reads (contracts of issue 12): exactly these keys.
     assert set(report) == {"meta", "floor", "systems", "decode_vs_context", "launch_profile"}
     assert set(report["meta"]) == {
@@ -271,7 +271,7 @@ def test_gpu_parts_run_on_the_cpu():
     cpu = torch.device("cpu")
     # flash-linear-attention is never installed on a CPU (its absence is checked elsewhere).
     parts = {part: gpu.run_part(part, model_dir, workload, cpu) for part in gpu.PARTS if part != "transformers_fla"}
-    report = gpu.assemble(parts, workload, gpu.meta("cpu", workload, False))
+    report = gpu.assemble(parts, workload, gpu.meta("cpu", workload, False, "abc1234"))
     assert set(report["systems"]) == {"a4", "a4_no_graphs", "transformers"}
     for times in report["systems"].values():
         assert set(times["prefill_ms"]) == {str(n) for n in workload.prefill_lens}
@@ -438,6 +438,8 @@ def test_serve_summary_arithmetic():
 def test_serve_options_belong_to_bench_serve(capsys):
     assert cli.main(["bench", "engine", "--base-url", "http://127.0.0.1:1"]) == cli.USAGE_ERROR
     assert "--base-url is an option of bench serve only" in capsys.readouterr().err
+    assert cli.main(["bench", "engine", "--commit", "abc1234"]) == cli.USAGE_ERROR
+    assert "--commit is an option of bench gpu only" in capsys.readouterr().err
 
 
 def test_the_gpu_reports_commit_says_when_the_tree_is_not_that_commit(tmp_path):
@@ -458,3 +460,13 @@ def test_the_gpu_reports_commit_says_when_the_tree_is_not_that_commit(tmp_path):
     assert gpu.tree_commit(tmp_path) == head
     (tmp_path / "code.py").write_text("x = 2\n")
     assert gpu.tree_commit(tmp_path) == f"{head}+changes"
+
+
+def test_bench_gpu_names_the_commit_it_is_given(tmp_path, monkeypatch):
+    """`--commit`: the submitting side knows which commit it sent; the report names that one."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(gpu, "run_parts", lambda quick, parts_dir: synthetic_gpu_parts())
+    monkeypatch.setattr(gpu.Workload, "full", staticmethod(lambda: GPU_WORKLOAD))
+    assert cli.main(["bench", "gpu", "--commit", "abc1234", "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "h200_gpu.json").read_text())
+    assert report["meta"]["commit"] == "abc1234"

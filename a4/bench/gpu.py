@@ -36,9 +36,11 @@ tokens choose, `ModelBytes.decode_bytes`) at the copy bandwidth; prefill, its we
 system and the floor as a fraction of each time. Written to --out (default solutions/report/): <gpu>_gpu.json (the
 schema notebook 10 reads) and <gpu>_gpu.png, <gpu> from the device's name (h200); `--quick` (tiny shapes, a few
 steps) writes <gpu>_gpu_quick.*. `--parts-dir DIR` keeps each part's JSON in DIR and reuses those already there, so
-that a run longer than one lease of a GPU can go on in the next.
+that a run longer than one lease of a GPU can go on in the next. The report's meta names the commit measured: HEAD,
+marked "+changes" when tracked files differ from it, or `--commit HASH` where the tree's .git is not its own history
+(a copy of the tree sent to a lent GPU, whose .git may be older than the code).
 
-    python -m a4 bench gpu [--quick] [--out DIR] [--parts-dir DIR]
+    python -m a4 bench gpu [--quick] [--out DIR] [--parts-dir DIR] [--commit HASH]
 """
 
 from __future__ import annotations
@@ -433,12 +435,17 @@ def as_cuda_graph(run: Callable[[], object], device: torch.device) -> tuple[Call
 
 
 def main(
-    quick: bool = False, out_dir: Path | None = None, system: str | None = None, parts_dir: Path | None = None
+    quick: bool = False,
+    out_dir: Path | None = None,
+    system: str | None = None,
+    parts_dir: Path | None = None,
+    commit: str | None = None,
 ) -> dict:
     """Every part in its own process, then the table, <gpu>_gpu.json and .png in out_dir; returns the JSON.
 
     With `system`, this process is one part's: it measures that part and writes out_dir/PART.json. `parts_dir`: keep
-    each part's JSON there and reuse the ones already there (`run_parts`).
+    each part's JSON there and reuse the ones already there (`run_parts`). `commit`: what the report's meta names as
+    the code measured (default: `tree_commit()`).
     """
     if not torch.cuda.is_available():
         raise Unavailable(
@@ -457,7 +464,8 @@ def main(
         return result
 
     parts = run_parts(quick, parts_dir)
-    report = assemble(parts, workload, meta(parts["floor"]["device"], workload, "transformers_fla" in parts))
+    with_fla = "transformers_fla" in parts
+    report = assemble(parts, workload, meta(parts["floor"]["device"], workload, with_fla, commit or tree_commit()))
     print_table(report)
     stem = f"{device_slug(report['meta']['device'])}_gpu{'_quick' if quick else ''}"
     write_report(out_dir, stem, report, plot)
@@ -518,7 +526,7 @@ def tree_commit(root: Path = REPO_ROOT) -> str:
         return "unknown"
 
 
-def meta(device: str, workload: Workload, with_fla: bool) -> dict:
+def meta(device: str, workload: Workload, with_fla: bool, commit: str) -> dict:
     return {
         "device": device,
         "torch": torch.__version__,
@@ -528,7 +536,7 @@ def meta(device: str, workload: Workload, with_fla: bool) -> dict:
         "dtype": DTYPE_NAME,
         "shapes": workload.preset,
         "date": datetime.date.today().isoformat(),
-        "commit": tree_commit(),
+        "commit": commit,
     }
 
 
