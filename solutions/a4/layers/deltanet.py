@@ -43,16 +43,24 @@ def causal_conv1d_prefill(
     `state + its tokens`, so a sequence shorter than K-1 keeps part of its old state.
 
     Output t of a channel is silu(sum_j weight[j] * input[t - (K-1) + j]), the inputs before the sequence's first
-    token taken from its conv state. Everything in x's dtype, as transformers' causal_conv1d_fn computes it.
+    token taken from its conv state. y in x's dtype, its sums taken in float32 (as transformers' causal_conv1d_fn
+    computes it, a depthwise conv that accumulates in float32).
     """
     # BEGIN SOLUTION gdn-conv-prefill 04_gated_deltanet: causal depthwise conv1d + silu per sequence, from its state
     kernel = weight.shape[-1]
+    taps = weight[:, 0].T.float()  # [K, D]: row j holds tap j of every channel's filter
     outputs, new_states = [], []
     for state, x_i in zip(conv_states, x.split(seq_lens)):
-        window = torch.cat([state, x_i.T], dim=1)  # [D, K-1 + L]: the state supplies the left context
-        # No padding: output j sees window[:, j : j + K], i.e. token j and the K-1 inputs before it.
-        outputs.append(F.conv1d(window[None], weight, groups=window.shape[0])[0].T)
-        new_states.append(window[:, window.shape[1] - (kernel - 1) :])
+        window = torch.cat([state.T, x_i])  # [K-1 + L, D]: the state supplies the left context
+        # No padding: output t sees window[t : t + K], token t and the K-1 inputs before it. Summed tap by tap over
+        # whole rows, in float32 as a conv accumulates, rather than with F.conv1d, which wants channels before time:
+        # on a CPU, transposing [L, D] there and back cost more than the conv itself.
+        window32, length = window.float(), x_i.shape[0]
+        y = window32[:length] * taps[0]
+        for j in range(1, kernel):
+            y.addcmul_(window32[j : j + length], taps[j])  # y += window32[j : j + length] * taps[j], in place
+        outputs.append(y.to(x.dtype))
+        new_states.append(window[window.shape[0] - (kernel - 1) :].T)
     return F.silu(torch.cat(outputs)), torch.stack(new_states)
     # END SOLUTION
 
