@@ -214,6 +214,44 @@ def test_non_finite_weights_are_an_error_naming_the_tensor(tiny_qwen3, tmp_path,
     assert "non-finite: model.norm.weight has 1 NaN or infinite" in message
 
 
+def test_large_finite_weights_load(tiny_qwen3, tmp_path):
+    """Finite values whose sum overflows are still finite: only NaN and inf are errors."""
+    tensors = read_all(tiny_qwen3)
+    key = "model.layers.2.mlp.down_proj.weight"
+    tensors[key] = torch.full_like(tensors[key], 3e38)  # finite in bfloat16 and float32; two of them sum to inf
+    model = fresh_model(tiny_qwen3)
+    load_weights(model, rewritten(tiny_qwen3, tmp_path / "large", tensors), device="cpu", dtype=torch.float32,
+                 progress=False)  # fmt: skip
+    assert torch.equal(model.get_parameter(key), tensors[key].float())
+
+
+def test_loading_makes_no_full_size_copy_beside_the_parameter(tiny_qwen3):
+    """Peak memory is the model plus the checkpoint tensor being read: casting bfloat16 to float32 happens inside
+    copy_, and the non-finite check leaves booleans, not another float copy (the 0.8B's embedding would be 1 GB)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class FloatOutputs(TorchDispatchMode):
+        """Every floating-point tensor an op allocates (views and in-place ops allocate none)."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.created: list[tuple[str, int]] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            aliases = func._schema.returns and func._schema.returns[0].alias_info is not None
+            if not aliases and isinstance(out, torch.Tensor) and out.is_floating_point():
+                self.created.append((str(func), out.numel()))
+            return out
+
+    model = fresh_model(tiny_qwen3)
+    largest = max(p.numel() for p in model.parameters())
+    with FloatOutputs() as ops:
+        load_weights(model, tiny_qwen3, device="cpu", dtype=torch.float32, progress=False)
+    assert model.model.embed_tokens.weight.numel() == largest
+    assert [(op, n) for op, n in ops.created if n >= largest] == []
+
+
 def sharded_copy(source: Path, target: Path) -> Path:
     shutil.copytree(source, target)
     return target

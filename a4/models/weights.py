@@ -273,8 +273,10 @@ def load_weights(
                     # copy_ casts to the parameter's dtype as it copies: a bfloat16 checkpoint loaded in float32
                     # never holds a float32 copy beside the parameter (for the 0.8B's embedding, 1 GB at the peak).
                     target.copy_(f.get_tensor(key))
-                    if not bool(target.isfinite().all()):  # in `dtype`, where a value too large for it is inf
-                        bad = int((~target.isfinite()).sum())
+                    # Checked in `dtype`, where a value too large for it is inf. A NaN or inf makes the sum non-finite
+                    # (so can finite values that overflow it: the count decides), and a sum allocates nothing of the
+                    # parameter's size, where isfinite() does (it computes abs(x)).
+                    if not bool(target.sum().isfinite()) and (bad := int((~target.isfinite()).sum())):
                         non_finite.append(
                             f"non-finite: {key} has {bad} NaN or infinite value(s) of {target.numel()} ({path.name})"
                         )
