@@ -23,6 +23,7 @@ import argparse
 import importlib
 import pkgutil
 import random
+import re
 import sys
 from pathlib import Path
 
@@ -120,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--parts-dir", type=Path, help="bench gpu only: keep each part's JSON here, reusing those already here"
     )
     bench.add_argument(
-        "--commit", help="bench gpu only: the commit the report names, where the tree's own .git is not its history "
+        "--commit", type=commit_hash, help="bench gpu only: the commit the report names, where the tree's own .git is not its history "
         "(a copy sent to a lent GPU); default: HEAD, marked +changes when tracked files differ"
     )
     bench.add_argument("--model-dir", type=Path, help="bench serve only: the checkpoint to serve (with a tokenizer)")
@@ -135,6 +136,12 @@ def positive_int(text: str) -> int:
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
     return value
+
+
+def commit_hash(text: str) -> str:
+    if not re.fullmatch(r"[0-9a-f]{4,40}", text):
+        raise argparse.ArgumentTypeError(f"expected a commit's hash (4 to 40 hex digits, as git prints it), got {text!r}")
+    return text
 
 
 def non_negative_int(text: str) -> int:

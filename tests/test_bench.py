@@ -440,6 +440,9 @@ def test_serve_options_belong_to_bench_serve(capsys):
     assert "--base-url is an option of bench serve only" in capsys.readouterr().err
     assert cli.main(["bench", "engine", "--commit", "abc1234"]) == cli.USAGE_ERROR
     assert "--commit is an option of bench gpu only" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "gpu", "--commit", ""])
+    assert "expected a commit's hash" in capsys.readouterr().err
 
 
 def test_the_gpu_reports_commit_says_when_the_tree_is_not_that_commit(tmp_path):

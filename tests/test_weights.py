@@ -19,7 +19,7 @@ from safetensors.torch import save_file
 import a4.models.weights as weights
 from a4.models.config import ConfigError, load_model_config
 from a4.models.qwen3 import Qwen3ForCausalLM
-from a4.models.registry import load_model
+from a4.models.registry import default_dtype, load_model
 from a4.models.weights import WeightLoadError, load_weights
 from a4.reference import load_hf_model
 
@@ -43,8 +43,9 @@ def rewritten(source: Path, target: Path, tensors: dict[str, torch.Tensor], **co
     return target
 
 
-def fresh_model(model_dir: Path) -> Qwen3ForCausalLM:
-    return Qwen3ForCausalLM(load_model_config(model_dir))
+def fresh_model(model_dir: Path, dtype: torch.dtype = torch.float32) -> Qwen3ForCausalLM:
+    with default_dtype(dtype):
+        return Qwen3ForCausalLM(load_model_config(model_dir))
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -214,20 +215,30 @@ def test_non_finite_weights_are_an_error_naming_the_tensor(tiny_qwen3, tmp_path,
     assert "non-finite: model.norm.weight has 1 NaN or infinite" in message
 
 
-def test_large_finite_weights_load(tiny_qwen3, tmp_path):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_large_finite_weights_load(tiny_qwen3, tmp_path, dtype):
     """Finite values whose sum overflows are still finite: only NaN and inf are errors."""
     tensors = read_all(tiny_qwen3)
     key = "model.layers.2.mlp.down_proj.weight"
     tensors[key] = torch.full_like(tensors[key], 3e38)  # finite in bfloat16 and float32; two of them sum to inf
-    model = fresh_model(tiny_qwen3)
-    load_weights(model, rewritten(tiny_qwen3, tmp_path / "large", tensors), device="cpu", dtype=torch.float32,
+    model = fresh_model(tiny_qwen3, dtype)
+    load_weights(model, rewritten(tiny_qwen3, tmp_path / "large", tensors), device="cpu", dtype=dtype,
                  progress=False)  # fmt: skip
-    assert torch.equal(model.get_parameter(key), tensors[key].float())
+    assert torch.equal(model.get_parameter(key), tensors[key].to(dtype))
 
 
-def test_loading_makes_no_full_size_copy_beside_the_parameter(tiny_qwen3):
-    """Peak memory is the model plus the checkpoint tensor being read: casting bfloat16 to float32 happens inside
-    copy_, and the non-finite check leaves booleans, not another float copy (the 0.8B's embedding would be 1 GB)."""
+def test_a_model_built_in_another_dtype_is_refused(tiny_qwen3):
+    model = fresh_model(tiny_qwen3, torch.float32)
+    with pytest.raises(ValueError, match=r"loading in torch.bfloat16 needs a model built in torch.bfloat16 .*: "
+                                         r"model.embed_tokens.weight is torch.float32, .* and \d+ more$"):  # fmt: skip
+        load_weights(model, tiny_qwen3, device="cpu", dtype=torch.bfloat16, progress=False)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_loading_makes_no_full_size_copy_beside_the_parameter(tiny_qwen3, dtype):
+    """Peak memory is the model plus the checkpoint tensor being read: casting to the model's dtype happens inside
+    copy_, and the non-finite check makes no float copy (isfinite() would: abs(x); the 0.8B's embedding is 1 GB in
+    float32)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class FloatOutputs(TorchDispatchMode):
@@ -244,11 +255,11 @@ def test_loading_makes_no_full_size_copy_beside_the_parameter(tiny_qwen3):
                 self.created.append((str(func), out.numel()))
             return out
 
-    model = fresh_model(tiny_qwen3)
+    model = fresh_model(tiny_qwen3, dtype)
     largest = max(p.numel() for p in model.parameters())
-    with FloatOutputs() as ops:
-        load_weights(model, tiny_qwen3, device="cpu", dtype=torch.float32, progress=False)
     assert model.model.embed_tokens.weight.numel() == largest
+    with FloatOutputs() as ops:
+        load_weights(model, tiny_qwen3, device="cpu", dtype=dtype, progress=False)
     assert [(op, n) for op, n in ops.created if n >= largest] == []
 
 

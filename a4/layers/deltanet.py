@@ -46,8 +46,8 @@ def causal_conv1d_prefill(
     `state + its tokens`, so a sequence shorter than K-1 keeps part of its old state.
 
     Output t of a channel is silu(sum_j weight[j] * input[t - (K-1) + j]), the inputs before the sequence's first
-    token taken from its conv state. y in x's dtype, its sums taken in float32 (as transformers' causal_conv1d_fn
-    computes it, a depthwise conv that accumulates in float32).
+    token taken from its conv state: the K products summed in float32, rounded to x's dtype, then silu (as
+    transformers' torch `causal_conv1d_fn` computes it, whose depthwise conv accumulates in float32).
     """
     raise NotImplementedError("Exercise gdn-conv-prefill: causal depthwise conv1d + silu per sequence, from its state (notebooks/04_gated_deltanet.ipynb)")
 

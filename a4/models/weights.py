@@ -151,6 +151,19 @@ def loadable_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     return tensors
 
 
+def tensors_to_fill(model: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """`loadable_tensors(model)`, each of which must already be in `dtype`: the loaders cast every tensor to its
+    parameter's dtype as they copy it in, so a model built in another dtype would silently stay in that one."""
+    tensors = loadable_tensors(model)
+    wrong = [f"{name} is {tensor.dtype}" for name, tensor in tensors.items() if tensor.dtype != dtype]
+    if wrong:
+        raise ValueError(
+            f"loading in {dtype} needs a model built in {dtype} (e.g. under torch.set_default_dtype): "
+            + ", ".join(wrong[:3]) + (f" and {len(wrong) - 3} more" if len(wrong) > 3 else "")
+        )
+    return tensors
+
+
 def tied_aliases(model: nn.Module) -> set[str]:
     """Second names of shared parameters (e.g. lm_head.weight when tied): a checkpoint may carry them; not needed."""
     return {name for name, _ in model.named_parameters(remove_duplicate=False)} - dict(model.named_parameters()).keys()
@@ -255,12 +268,12 @@ def load_weights(
     dtype: torch.dtype,
     progress: bool = True,
 ) -> LoadReport:
-    """Copy a checkpoint's tensors into `model`'s parameters, cast to `dtype`, on `device`.
+    """Copy a checkpoint's tensors into `model`'s parameters, built in `dtype` on `device`, casting as they are copied.
 
     Raises WeightLoadError, before reading any tensor, if the checkpoint does not fit the model; and after reading
     them all, listing every tensor with NaN or infinite values (in `dtype`: a finite value too large for it counts).
     """
-    targets = loadable_tensors(model)
+    targets = tensors_to_fill(model, dtype)
     reads, report = plan_reads(model, targets, checkpoint_files(model_dir), key_map)
     device = torch.device(device)
     non_finite: list[str] = []
@@ -274,8 +287,8 @@ def load_weights(
                     # never holds a float32 copy beside the parameter (for the 0.8B's embedding, 1 GB at the peak).
                     target.copy_(f.get_tensor(key))
                     # Checked in `dtype`, where a value too large for it is inf. A NaN or inf makes the sum non-finite
-                    # (so can finite values that overflow it: the count decides), and a sum allocates nothing of the
-                    # parameter's size, where isfinite() does (it computes abs(x)).
+                    # (so can finite values whose sum overflows: the count decides), and a sum allocates nothing of
+                    # the parameter's size, where isfinite() does (it computes abs(x)).
                     if not bool(target.sum().isfinite()) and (bad := int((~target.isfinite()).sum())):
                         non_finite.append(
                             f"non-finite: {key} has {bad} NaN or infinite value(s) of {target.numel()} ({path.name})"
@@ -308,7 +321,7 @@ def draw_weights(
     """
     config = read_json(Path(model_dir) / "config.json")
     arch = arch_of(config["architectures"][0])
-    targets = loadable_tensors(model)
+    targets = tensors_to_fill(model, dtype)
     report = LoadReport(random_seed=seed)
     fit = _Fit(model, targets, key_map, report)
     draws = []
