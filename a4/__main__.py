@@ -121,8 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--parts-dir", type=Path, help="bench gpu only: keep each part's JSON here, reusing those already here"
     )
     bench.add_argument(
-        "--commit", type=commit_hash, help="bench gpu only: the commit the report names, where the tree's own .git is not its history "
-        "(a copy sent to a lent GPU); default: HEAD, marked +changes when tracked files differ"
+        "--commit", type=commit_hash,
+        help="bench gpu only: the commit the report names, where the tree's own .git is not its history (a copy sent "
+        "to a lent GPU); default: HEAD, marked +changes when tracked files differ",
     )
     bench.add_argument("--model-dir", type=Path, help="bench serve only: the checkpoint to serve (with a tokenizer)")
     bench.add_argument("--device", help="bench serve only: the server's device (cpu, cuda)")
@@ -140,7 +141,7 @@ def positive_int(text: str) -> int:
 
 def commit_hash(text: str) -> str:
     if not re.fullmatch(r"[0-9a-f]{4,40}", text):
-        raise argparse.ArgumentTypeError(f"expected a commit's hash (4 to 40 hex digits, as git prints it), got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected a commit's hash (4 to 40 hex digits, as git prints it): {text!r}")
     return text
 
 
