@@ -166,7 +166,8 @@ class ForwardBatch:
     them (as nano-vllm's `Context`, and SGLang's ForwardBatch with its attention backend's metadata). The host-side
     lists (`extend_lens`, `prefix_lens`) serve EXTEND steps, whose Python loops over requests cost little next to
     their matrix products; layers and backends read only tensors in DECODE and TARGET_VERIFY steps, so that those
-    can be captured in a CUDA graph (a static-buffer step has no host lists at all).
+    can be captured in a CUDA graph (a static decode or verify step has no host lists at all; a static EXTEND step's
+    are constants of its bucket).
     """
 
     mode: ForwardMode
@@ -188,6 +189,10 @@ class ForwardBatch:
     # Eager steps only: new tokens per request, and tokens of each request already in the pools before this step.
     extend_lens: list[int] | None = None
     prefix_lens: list[int] | None = None
+    # A static EXTEND step (one request's first prefill padded to its bucket, a4/engine/graph_runner.py): [1] int64,
+    # how many of the T rows are the request's tokens; the rows after them are padding, which no state may keep.
+    # (SGLang's name.)
+    num_token_non_padded: torch.Tensor | None = None
     # What the backends' `prepare` computed for this step, shared by every layer of its kind.
     attn_metadata: object = None
     gdn_metadata: object = None

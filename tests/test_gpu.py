@@ -70,6 +70,19 @@ def test_greedy_equals_transformers(model, cuda_graphs, max_running_requests):
     assert [out.token_ids for out in outputs] == reference
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("length", [1, 3, 17, 32])
+def test_a_captured_prefill_leaves_what_an_eager_prefill_leaves(length, dtype):
+    # The first prefill of one request, padded to its token bucket and replayed as a CUDA graph (bfloat16 through
+    # flash-linear-attention where installed, float32 through notebook 04's functions), against the same backends
+    # run eagerly on the prompt alone.
+    from padded_prefill import assert_a_padded_prefill_leaves_no_trace
+
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    ckpt = without_fla("str(tiny_checkpoint('qwen3_5'))")
+    assert_a_padded_prefill_leaves_no_trace(ckpt, PROMPTS[7][:length], "cuda", dtype)
+
+
 @pytest.mark.parametrize("policy", ["checkpoint", "refuse"])
 def test_prefix_hits_equal_transformers(model, policy):
     ckpt, reference = model

@@ -19,6 +19,7 @@ from a4.core import ForwardMode
 from a4.engine.forward_batch import build_forward_batch
 from a4.engine.graph_runner import batch_buckets
 from a4.reference import hf_greedy
+from padded_prefill import assert_a_padded_prefill_leaves_no_trace
 
 MAX_NEW = 8
 _rng = random.Random(7)
@@ -145,3 +146,29 @@ def test_a_step_that_does_not_fit_its_mode_is_refused(mode, prefix_lens, extend_
             ForwardMode[mode], input_ids=[0] * sum(extend_lens), slots=[1, 0], prefix_lens=prefix_lens,
             extend_lens=extend_lens, sample_indices=[], req_to_token=table, kv_pool=None,
         )  # fmt: skip
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_static_prefill_equals_transformers(model, page_size, monkeypatch):
+    # One slot: every prompt's first prefill is one request's with no prefix, the runner's. Prompts of 1 to 70
+    # tokens pad to buckets of 16 and 32 (one exactly 32); those over 32 continue in eager chunks.
+    ckpt, reference = model
+    llm = LLM(ckpt, cuda_graphs=True, max_running_requests=1, max_prefill_tokens=32, page_size=page_size)
+    runner = llm.engine.graph_runner
+    assert runner.extend_buckets == [16, 32]
+    served = []
+    original = runner.prefill
+    monkeypatch.setattr(runner, "prefill", lambda ids, slot: served.append(len(ids)) or original(ids, slot))
+    outputs = llm.generate(PROMPTS, SamplingParams(max_new_tokens=MAX_NEW))
+    assert [out.token_ids for out in outputs] == reference
+    # Each prompt's first prefill step, however the scheduler cut the prompt (a hybrid model's checkpointing
+    # prefix cache also ends a chunk at the last page boundary, to keep a state there).
+    assert len(served) == len(PROMPTS) and all(n <= min(len(p), 32) for n, p in zip(served, PROMPTS))
+    assert_padding_is_nobodys(llm)
+
+
+@pytest.mark.parametrize("length", [1, 2, 3, 17, 32])
+def test_a_padded_prefill_leaves_what_an_eager_prefill_leaves(tiny_qwen3_5, length):
+    # Lengths below the conv's K-1 = 3 keep part of the (zero) initial state; 32 fills its bucket. On CUDA:
+    # tests/test_gpu.py, the padded prefill captured.
+    assert_a_padded_prefill_leaves_no_trace(tiny_qwen3_5, PROMPTS[4][:length], "cpu", torch.float32)

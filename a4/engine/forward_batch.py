@@ -102,6 +102,50 @@ def static_forward_batch(
     return fb
 
 
+def static_extend_batch(
+    *,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    slot: torch.Tensor,
+    num_tokens: torch.Tensor,
+    padding_slot: int,
+    req_to_token: torch.Tensor,
+    kv_pool: object,
+    state_pool: GDNStates | None,
+    attn_backend: AttentionBackend,
+) -> ForwardBatch:
+    """The context of a static EXTEND step: the first prefill (no prefix) of one request, in slot `slot` [1], padded
+    to its bucket of T = input_ids.shape[0] tokens, of which the first `num_tokens` [1] are the request's
+    (positions [T] = 0 .. T-1). The host lists are the bucket's constants (one request of T tokens after none), so
+    a graph may record them; what the request changes lives on the device:
+    - the padding rows come after the request's tokens, so causal attention and the causal conv never carry them
+      into the request's rows; their keys and values go to the padding slot's first location;
+    - the Gated DeltaNet backends leave them out of the states (`num_token_non_padded`);
+    - the row sampled is the request's last token."""
+    num_padded = input_ids.shape[0]
+    padding_location = req_to_token[padding_slot, 0]
+    fb = ForwardBatch(
+        mode=ForwardMode.EXTEND,
+        input_ids=input_ids,
+        positions=positions,
+        slots=slot,
+        seq_lens=torch.full_like(slot, num_padded),
+        cu_seqlens=torch.arange(2, device=slot.device) * num_padded,  # kernels: no host copy inside a capture
+        max_seq_len=num_padded,
+        out_cache_loc=torch.where(positions < num_tokens, req_to_token[slot, positions], padding_location),
+        sample_indices=num_tokens - 1,
+        req_to_token=req_to_token,
+        kv_pool=kv_pool,
+        state_pool=state_pool,
+        attn_backend=attn_backend,
+        extend_lens=[num_padded],
+        prefix_lens=[0],
+        num_token_non_padded=num_tokens,
+    )
+    attn_backend.prepare(fb)
+    return fb
+
+
 def default_backend(state_pool: GDNStates | None) -> AttentionBackend:
     """torch's attention and, with a state pool (a hybrid model), notebook 04's GDN functions: the eager CPU path."""
     # Imported here: the layers import a4.core, and the GDN backend needs notebook 04's exercise module.

@@ -1,4 +1,5 @@
-"""GraphRunner: decode and verify steps over static buffers, captured as one CUDA graph per mode and batch bucket.
+"""GraphRunner: steps over static buffers, captured as one CUDA graph per mode and bucket: decode and verify steps
+by batch size, the first prefill of one request by its number of tokens.
 
 A decode step of a small model is launch-bound: on an H200 a4's eager batch-1 step of Qwen3.5-0.8B launches about
 2,000 kernels whose GPU time is a fraction of the step's wall time (`python -m a4 bench gpu`). A CUDA graph records
@@ -14,6 +15,15 @@ what a captured step reads must sit at fixed addresses with fixed shapes, and no
   a4.layers.gdn_backend), with no Python loop over requests.
 A TARGET_VERIFY step (speculative decoding) is the same with L = k + 1 tokens per request: its graphs are recorded
 beside the decode ones, so that a verify pass costs one replay too.
+
+A prefill is launch-bound too: on an H200 the 0.8B's 2,048-token prefill runs ~12 ms of kernels in 45-80 ms of wall
+time, most of it Python launching ~1,000 kernels. So an EXTEND step of one request with no prefix (a prompt, or its
+first chunk) is captured as well, by token bucket (16, 32, 64, ... up to max_prefill_tokens or 4,096), padded at the
+end (`static_extend_batch` in forward_batch.py): a causal layer cannot carry the padding into the tokens before it, the
+padding's keys go to the padding slot's location, the Gated DeltaNet backends keep it out of the states, and the row
+sampled is the prompt's last. Batches of several prompts, later chunks and prefills after a prefix hit stay eager
+(their lengths would need a graph per combination); so do a speculative engine's prefills, whose drafter reads the
+hidden states of every row.
 Everything that changes the pools between steps (clearing a reused slot, restoring a prefix-cache checkpoint) is
 issued on the same CUDA stream before the replay, so it is ordered before the forward that reads it.
 
@@ -32,7 +42,22 @@ import torch
 from torch import nn
 
 from a4.core import AttentionBackend, ForwardMode, GDNStates
-from a4.engine.forward_batch import static_forward_batch
+from a4.engine.forward_batch import static_extend_batch, static_forward_batch
+
+
+# The longest prefill captured. Past it a prefill's kernels outlast its launches: on an H200 the 0.8B's 8,192-token
+# prefill ran 66 ms captured against 68 eager, and each bucket costs capture time at start-up and graph memory.
+MAX_CAPTURED_PREFILL = 4096
+
+
+def token_buckets(max_tokens: int) -> list[int]:
+    """The prefill lengths captured: powers of two from 16 below max_tokens, then max_tokens (the longest prefill
+    step, a whole chunk); a prompt pads to the first bucket that holds it, wasting less than half of it."""
+    sizes, size = [], 16
+    while size < max_tokens:
+        sizes.append(size)
+        size *= 2
+    return [*sizes, max_tokens]
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -60,10 +85,12 @@ class GraphRunner:
         backend: AttentionBackend,
         padding_slot: int,
         capture: bool,
+        max_extend_tokens: int = 0,
     ) -> None:
-        """`tokens_per_request`: the modes this runner serves and each one's tokens per request (DECODE: 1,
+        """`tokens_per_request`: the decode modes this runner serves and each one's tokens per request (DECODE: 1,
         TARGET_VERIFY: k + 1). `padding_slot`: a row of req_to_token (and of the state pool) that no request is ever
-        given; its first positions must map to KV locations no request owns. `capture`: record CUDA graphs."""
+        given; its first positions must map to KV locations no request owns. `capture`: record CUDA graphs.
+        `max_extend_tokens`: the longest first prefill of one request that this runner serves (0: none)."""
         device = req_to_token.device
         if capture and device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, not {device}")
@@ -75,6 +102,11 @@ class GraphRunner:
         # The static inputs, copied into before each step and read by every replay: token ids and positions (L per
         # request) and slots, in one buffer so that a step needs one host-to-device copy.
         self._inputs = torch.zeros(2 * size * tokens + size, dtype=torch.int64, device=device)
+        # A prefill's: its slot, its number of tokens, then its token ids padded to the bucket; positions 0.. .
+        max_extend_tokens = min(max_extend_tokens, MAX_CAPTURED_PREFILL)
+        self.extend_buckets = token_buckets(max_extend_tokens) if max_extend_tokens else []
+        self._extend_inputs = torch.zeros(2 + max_extend_tokens, dtype=torch.int64, device=device)
+        self._extend_positions = torch.arange(max_extend_tokens, device=device)
         self._req_to_token, self._kv_pool, self._state_pool = req_to_token, kv_pool, state_pool
         self._backend, self._max_seq_len = backend, max_seq_len
         self.graphs: dict[tuple[ForwardMode, int], torch.cuda.CUDAGraph] = {}
@@ -90,10 +122,25 @@ class GraphRunner:
             2 * num_tokens : 2 * num_tokens + batch_size
         ]
 
-    def _forward(self, mode: ForwardMode, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """One step of the first `batch_size` requests of the buffers (the work a graph records): the final hidden
-        states [B * L, hidden] of every row and their float32 logits."""
-        input_ids, positions, slots = self._buffers(mode, batch_size)
+    def _forward(self, mode: ForwardMode, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One step over the buffers (the work a graph records). DECODE or TARGET_VERIFY: the first `size` requests,
+        the final hidden states [B * L, hidden] of every row and their float32 logits. EXTEND: the prefill in the
+        buffers padded to `size` tokens, the final hidden state [1, hidden] of its last token and its logits."""
+        if mode is ForwardMode.EXTEND:
+            slot, num_tokens, input_ids = self._extend_inputs[:1], self._extend_inputs[1:2], self._extend_inputs[2:]
+            fb = static_extend_batch(
+                input_ids=input_ids[:size],
+                positions=self._extend_positions[:size],
+                slot=slot,
+                num_tokens=num_tokens,
+                padding_slot=self.padding_slot,
+                req_to_token=self._req_to_token,
+                kv_pool=self._kv_pool,
+                state_pool=self._state_pool,
+                attn_backend=self._backend,
+            )
+            return self.model(fb, with_hidden=True)
+        input_ids, positions, slots = self._buffers(mode, batch_size=size)
         fb = static_forward_batch(
             mode,
             input_ids=input_ids,
@@ -108,24 +155,29 @@ class GraphRunner:
         return self.model(fb, with_hidden=True)
 
     def _capture(self) -> None:
-        # One memory pool for all graphs: only one replays at a time, so their intermediates can share memory.
-        pool = None
+        # Warm-up and capture write into the padding slot only: the padded requests point at it, and a prefill is
+        # the padding slot's with one token (its first location; the padding rows go to that location too).
+        self._extend_inputs[:2] = torch.tensor([self.padding_slot, 1])
         for mode in self.tokens_per_request:
-            for batch_size in reversed(self.buckets):
-                # Padded requests point at the padding slot: set before recording, so warm-up and capture stay in it.
-                self._buffers(mode, batch_size)[2].fill_(self.padding_slot)
-                # Warm-up on a side stream first (lazy initialisation in cuBLAS and Triton's autotuning must not be
-                # recorded), as torch.cuda.graphs recommends.
-                stream = torch.cuda.Stream()
-                stream.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(stream):
-                    self._forward(mode, batch_size)
-                torch.cuda.current_stream().wait_stream(stream)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    self.outputs[mode, batch_size] = self._forward(mode, batch_size)
-                pool = graph.pool()
-                self.graphs[mode, batch_size] = graph
+            self._buffers(mode, self.max_batch)[2].fill_(self.padding_slot)
+        # One memory pool for all graphs: only one replays at a time, so their intermediates can share memory. The
+        # largest first: the smaller ones then fit in what it left.
+        pool = None
+        steps = [(ForwardMode.EXTEND, n) for n in reversed(self.extend_buckets)]
+        steps += [(mode, batch_size) for mode in self.tokens_per_request for batch_size in reversed(self.buckets)]
+        for step in steps:
+            # Warm-up on a side stream first (lazy initialisation in cuBLAS and Triton's autotuning must not be
+            # recorded), as torch.cuda.graphs recommends.
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                self._forward(*step)
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.outputs[step] = self._forward(*step)
+            pool = graph.pool()
+            self.graphs[step] = graph
 
     @property
     def max_batch(self) -> int:
@@ -159,3 +211,22 @@ class GraphRunner:
             hidden, logits = self._forward(mode, bucket)
         rows = batch_size * per_request
         return hidden[:rows], logits[:rows]
+
+    def takes_prefill(self, prefix_lens: list[int], extend_lens: list[int]) -> bool:
+        """Whether an EXTEND step is this runner's: one request's first prefill, of at most max_extend_tokens."""
+        if not self.extend_buckets or len(extend_lens) != 1:
+            return False
+        return prefix_lens[0] == 0 and extend_lens[0] <= self.extend_buckets[-1]
+
+    def prefill(self, input_ids: list[int], slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The final hidden state [1, hidden] and float32 logits [1, vocab] of the last of `input_ids`, the first
+        prefill of the request in `slot`, which the table already maps to its KV locations."""
+        num_tokens = len(input_ids)
+        bucket = next(size for size in self.extend_buckets if size >= num_tokens)
+        # The padding's ids are written too (any id would do; these are the same in every run).
+        host = torch.tensor([slot, num_tokens, *input_ids, *[0] * (bucket - num_tokens)], dtype=torch.int64)
+        self._extend_inputs[: host.shape[0]].copy_(host)
+        if (ForwardMode.EXTEND, bucket) in self.graphs:
+            self.graphs[ForwardMode.EXTEND, bucket].replay()
+            return self.outputs[ForwardMode.EXTEND, bucket]
+        return self._forward(ForwardMode.EXTEND, bucket)

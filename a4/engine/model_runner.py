@@ -11,8 +11,9 @@ builds the step's ForwardBatch (forward_batch.py), its mode set once from the ba
                       --> final hidden states and float32 logits of the rows asked for
 
 DECODE and TARGET_VERIFY steps go through the static-buffer runner where it is on (always on CUDA, captured as CUDA
-graphs unless cuda_graphs=False; on the CPU with cuda_graphs=True, run eagerly, which is how CI tests it), other
-steps are eager. After SGLang's ModelRunner; the Engine (engine.py) drives it.
+graphs unless cuda_graphs=False; on the CPU with cuda_graphs=True, run eagerly, which is how CI tests it), and so
+does the first prefill of a single request (the runner's `takes_prefill`); other steps are eager. After SGLang's
+ModelRunner; the Engine (engine.py) drives it.
 """
 
 from __future__ import annotations
@@ -100,6 +101,10 @@ class ModelRunner:
             padding_slot = self.table_manager.allocate()
             padding_locations = self.allocator.pages_to_locations(self.allocator.allocate(padding_pages))
             self.table_manager.write(padding_slot, 0, padding_locations)
+            # A speculative engine's prefill returns every row (its drafter reads them), and a tensor-parallel
+            # worker would need the static prefill mirrored: both prefill eagerly.
+            eager_prefill = config.speculative_tokens or tp is not None
+            extend_tokens = 0 if eager_prefill else min(config.max_prefill_tokens, self.max_context_len)
             modes = {ForwardMode.DECODE: 1}
             if config.speculative_tokens:
                 modes = {ForwardMode.TARGET_VERIFY: self.tokens_per_decode}
@@ -115,6 +120,7 @@ class ModelRunner:
                 padding_slot=padding_slot,
                 # A graph cannot replay a tensor-parallel step, which starts with a broadcast to the other ranks.
                 capture=on_cuda and config.cuda_graphs is not False and tp is None,
+                max_extend_tokens=extend_tokens,
             )
 
     def forward(self, batch: Batch, input_ids: list[int] | None = None, every_row: bool = False) -> ModelOutput:
@@ -126,10 +132,17 @@ class ModelRunner:
         if input_ids is None:
             input_ids = [t for req, n in zip(reqs, extend_lens) for t in req.all_ids[req.computed_len :][:n]]
         prefix_lens = [req.computed_len for req in reqs]
-        if mode is not ForwardMode.EXTEND and self.graph_runner is not None:
+        runner = self.graph_runner
+        if mode is ForwardMode.EXTEND and runner is not None and not every_row and runner.takes_prefill(
+            prefix_lens, extend_lens
+        ):
+            hidden, logits = runner.prefill(input_ids, reqs[0].slot)
+            rows = int(batch.sample[0])  # a chunk that does not end its prompt samples nothing
+            return ModelOutput(hidden[:rows], logits[:rows])
+        if mode is not ForwardMode.EXTEND and runner is not None:
             # Every row of a decode or verify step is wanted: each request samples from each of its tokens.
             positions = [p + j for p, n in zip(prefix_lens, extend_lens) for j in range(n)]
-            return ModelOutput(*self.graph_runner.forward(mode, input_ids, positions, [req.slot for req in reqs]))
+            return ModelOutput(*runner.forward(mode, input_ids, positions, [req.slot for req in reqs]))
         if every_row:
             sample_indices = list(range(len(input_ids)))
         else:

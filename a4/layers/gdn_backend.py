@@ -32,6 +32,7 @@ layers and one of these for the GDN layers, both prepared once per step.
 
 from __future__ import annotations
 
+import itertools
 from types import ModuleType
 
 import torch
@@ -50,8 +51,10 @@ class TorchGDNBackend:
     """Eager steps: the students' notebook 04 functions (EXTEND, DECODE) and notebook 11's (TARGET_VERIFY)."""
 
     def prepare(self, fb: ForwardBatch) -> None:
-        """Nothing to precompute: each request continues from its slot (cleared when it was given out), and the
-        varlen boundaries are the context's `cu_seqlens`."""
+        """Each request continues from its slot (cleared when it was given out), and the varlen boundaries are the
+        context's. A padded prefill (a static EXTEND step, `fb.num_token_non_padded` set) gets its padding rows."""
+        if fb.num_token_non_padded is not None:
+            fb.gdn_metadata = torch.arange(fb.input_ids.shape[0], device=fb.slots.device) >= fb.num_token_non_padded
 
     def conv(self, x: torch.Tensor, weight: torch.Tensor, gdn_layer: int, fb: ForwardBatch) -> torch.Tensor:
         conv_state = fb.state_pool.conv_state(gdn_layer)
@@ -65,9 +68,19 @@ class TorchGDNBackend:
         if fb.mode is ForwardMode.DECODE:
             y, states_out = causal_conv1d_decode(x, weight, states_in)
         else:
-            y, states_out = causal_conv1d_prefill(x, weight, states_in, fb.extend_lens)
+            y, states_out = self.conv_prefill(x, weight, states_in, fb)
+            if fb.num_token_non_padded is not None:
+                # The padding came after the request's tokens (it cannot reach their outputs, the conv is causal),
+                # but the state must be the last K-1 inputs before it.
+                states_out = _conv_state_before_padding(x, states_in, fb.num_token_non_padded)
         conv_state[fb.slots] = states_out
         return y
+
+    def conv_prefill(
+        self, x: torch.Tensor, weight: torch.Tensor, states_in: torch.Tensor, fb: ForwardBatch
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """EXTEND's conv over every request's tokens from its state: (y, final states)."""
+        return causal_conv1d_prefill(x, weight, states_in, fb.extend_lens)
 
     def delta_rule(
         self,
@@ -83,6 +96,14 @@ class TorchGDNBackend:
     ) -> torch.Tensor:
         state = fb.state_pool.recurrent_state(gdn_layer)
         state_in = state[fb.slots]
+        if fb.mode is ForwardMode.EXTEND:
+            if fb.num_token_non_padded is not None:
+                # A padding token with a = b = -inf has decay exp(g) = 1 and step size beta = 0: S stays as it is.
+                padding = fb.gdn_metadata[:, None]
+                a, b = a.masked_fill(padding, float("-inf")), b.masked_fill(padding, float("-inf"))
+            o, state_out = self.delta_rule_prefill(q, k, v, a, b, A_log, dt_bias, state_in, fb)
+            state[fb.slots] = state_out
+            return o
         inputs = gated_delta_inputs(q, k, v, a, b, A_log, dt_bias)
         if fb.mode is ForwardMode.TARGET_VERIFY:
             from a4.speculative.verify import gated_delta_rule_verify
@@ -90,14 +111,17 @@ class TorchGDNBackend:
             o, states = gated_delta_rule_verify(*(_per_request(x, fb) for x in inputs), state_in)
             fb.state_pool.verify_recurrent_states(gdn_layer)[fb.slots] = states
             return o.flatten(0, 1)
-        if fb.mode is ForwardMode.DECODE:
-            # One token per request: the requests are the batch of the recurrence.
-            o, state_out = recurrent_gated_delta_rule(*(x[:, None] for x in inputs), state_in)
-            o = o[:, 0]
-        else:
-            o, state_out = chunk_gated_delta_rule(*inputs, fb.cu_seqlens, state_in)
+        # DECODE: one token per request, the requests are the batch of the recurrence.
+        o, state_out = recurrent_gated_delta_rule(*(x[:, None] for x in inputs), state_in)
         state[fb.slots] = state_out
-        return o
+        return o[:, 0]
+
+    def delta_rule_prefill(self, q, k, v, a, b, A_log, dt_bias, state_in: torch.Tensor, fb: ForwardBatch):
+        """EXTEND's rule over every request's tokens from its state: (o [T, Hv, dv], final states)."""
+        # The boundaries from the host's lengths: notebook 04 reads them as Python ints, and reading the context's
+        # device tensor would wait for the GPU (and cannot be captured in a graph).
+        cu_seqlens = torch.tensor([0, *itertools.accumulate(fb.extend_lens)])
+        return chunk_gated_delta_rule(*gated_delta_inputs(q, k, v, a, b, A_log, dt_bias), cu_seqlens, state_in)
 
 
 class BySlotGDNBackend(TorchGDNBackend):
@@ -136,15 +160,17 @@ class TritonGDNBackend(BySlotGDNBackend):
         self.fla_prefill = dtype != torch.float32 and fla_available()
 
     def conv(self, x: torch.Tensor, weight: torch.Tensor, gdn_layer: int, fb: ForwardBatch) -> torch.Tensor:
-        conv_state = fb.state_pool.conv_state(gdn_layer)
         if fb.mode is ForwardMode.TARGET_VERIFY:
-            verify_states = fb.state_pool.verify_conv_states(gdn_layer)
+            conv_state, verify_states = fb.state_pool.conv_state(gdn_layer), fb.state_pool.verify_conv_states(gdn_layer)
             return self.ops.conv_verify_by_slot_(x, weight, conv_state, fb.slots, verify_states)
-        if fb.mode is ForwardMode.EXTEND and self.fla_prefill:
-            from a4.kernels.fla_prefill import causal_conv1d_prefill_by_slot_
-
-            return causal_conv1d_prefill_by_slot_(x, weight, conv_state, fb.slots, fb.cu_seqlens)
         return super().conv(x, weight, gdn_layer, fb)
+
+    def conv_prefill(self, x, weight, states_in, fb):
+        if not self.fla_prefill:
+            return super().conv_prefill(x, weight, states_in, fb)
+        from a4.kernels.fla_prefill import causal_conv1d_prefill as fla_conv1d_prefill
+
+        return fla_conv1d_prefill(x, weight, states_in, fb.cu_seqlens)
 
     def delta_rule(self, q, k, v, a, b, A_log, dt_bias, gdn_layer: int, fb: ForwardBatch) -> torch.Tensor:
         state = fb.state_pool.recurrent_state(gdn_layer)
@@ -158,11 +184,14 @@ class TritonGDNBackend(BySlotGDNBackend):
             return self.ops.gated_delta_rule_verify_by_slot_(
                 q, k, v, a, b, A_log, dt_bias, state, fb.slots, verify_states, out_dtype=v.dtype
             )
-        if fb.mode is ForwardMode.EXTEND and self.fla_prefill:
-            from a4.kernels.fla_prefill import chunk_gated_delta_rule_by_slot_
-
-            return chunk_gated_delta_rule_by_slot_(q, k, v, a, b, A_log, dt_bias, state, fb.slots, fb.cu_seqlens)
         return super().delta_rule(q, k, v, a, b, A_log, dt_bias, gdn_layer, fb)
+
+    def delta_rule_prefill(self, q, k, v, a, b, A_log, dt_bias, state_in, fb):
+        if not self.fla_prefill:
+            return super().delta_rule_prefill(q, k, v, a, b, A_log, dt_bias, state_in, fb)
+        from a4.kernels.fla_prefill import chunk_gated_delta_rule as fla_chunk_gated_delta_rule
+
+        return fla_chunk_gated_delta_rule(q, k, v, a, b, A_log, dt_bias, state_in, fb.cu_seqlens)
 
 
 class HybridAttnBackend:
@@ -184,6 +213,17 @@ class HybridAttnBackend:
 
     def delta_rule(self, q, k, v, a, b, A_log, dt_bias, gdn_layer: int, fb: ForwardBatch) -> torch.Tensor:
         return self.gdn.delta_rule(q, k, v, a, b, A_log, dt_bias, gdn_layer, fb)
+
+
+def _conv_state_before_padding(x: torch.Tensor, states_in: torch.Tensor, num_tokens: torch.Tensor) -> torch.Tensor:
+    """The conv state [1, D, K-1] of one request after its first `num_tokens` ([1], on the device) rows of x [T, D],
+    from states_in [1, D, K-1]: its last K-1 inputs, gathered by index (a slice's bounds would have to be read by
+    the host), from x, or from the old state where the request has fewer than K-1 tokens."""
+    width = states_in.shape[-1]
+    rows = num_tokens - width + torch.arange(width, device=x.device)  # x's rows; row -j is the state's j-th last
+    from_x = x[rows.clamp(min=0)]  # [K-1, D]
+    from_state = states_in[0].T[(rows + width).clamp(max=width - 1)]
+    return torch.where((rows >= 0)[:, None], from_x, from_state).T[None]
 
 
 def _per_request(x: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
