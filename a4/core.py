@@ -186,7 +186,7 @@ class ForwardBatch:
     state_pool: GDNStates | None = None  # the Gated DeltaNet layers' states (hybrid models)
     # The step's backend (a4/layers): attention for every model, and the Gated DeltaNet primitives for a hybrid one.
     attn_backend: AttentionBackend | None = None
-    # Eager steps only: new tokens per request, and tokens of each request already in the pools before this step.
+    # EXTEND steps: new tokens per request, and tokens of each request already in the pools before this step.
     extend_lens: list[int] | None = None
     prefix_lens: list[int] | None = None
     # A static EXTEND step (one request's first prefill padded to its bucket, a4/engine/graph_runner.py): [1] int64,

@@ -36,8 +36,9 @@ class EngineConfig:
     # state checkpoints it keeps at most (least recently used evicted first; their bytes come out of the budget).
     hybrid_prefix_policy: str = "checkpoint"
     max_state_checkpoints: int = 16
-    # Decode steps as CUDA graphs (graph_runner.py). None: on where CUDA is. False on CUDA: the same static-buffer
-    # runner, not captured. True on the CPU: that runner too (nothing to capture), the GPU's decode path run eagerly.
+    # Decode steps, and the first prefill of a request on its own, as CUDA graphs (graph_runner.py). None: on where
+    # CUDA is. False on CUDA: the same static-buffer runner, not captured. True on the CPU: that runner too (nothing
+    # to capture), the GPU's path run eagerly.
     cuda_graphs: bool | None = None
     # The projections that read one input (GDN's four, attention's q / k / v, the MLP's gate and up) as one GEMM each
     # (a4/layers/merged_linear.py); the layers' forward is unchanged. None: on where a4's Triton kernels run (CUDA).

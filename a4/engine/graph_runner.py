@@ -24,6 +24,7 @@ padding's keys go to the padding slot's location, the Gated DeltaNet backends ke
 sampled is the prompt's last. Batches of several prompts, later chunks and prefills after a prefix hit stay eager
 (their lengths would need a graph per combination); so do a speculative engine's prefills, whose drafter reads the
 hidden states of every row.
+
 Everything that changes the pools between steps (clearing a reused slot, restoring a prefix-cache checkpoint) is
 issued on the same CUDA stream before the replay, so it is ordered before the forward that reads it.
 
@@ -102,7 +103,7 @@ class GraphRunner:
         # The static inputs, copied into before each step and read by every replay: token ids and positions (L per
         # request) and slots, in one buffer so that a step needs one host-to-device copy.
         self._inputs = torch.zeros(2 * size * tokens + size, dtype=torch.int64, device=device)
-        # A prefill's: its slot, its number of tokens, then its token ids padded to the bucket; positions 0.. .
+        # A prefill's: its slot, its number of tokens, then its token ids padded to the bucket (positions 0, 1, ...).
         max_extend_tokens = min(max_extend_tokens, MAX_CAPTURED_PREFILL)
         self.extend_buckets = token_buckets(max_extend_tokens) if max_extend_tokens else []
         self._extend_inputs = torch.zeros(2 + max_extend_tokens, dtype=torch.int64, device=device)
@@ -155,17 +156,19 @@ class GraphRunner:
         return self.model(fb, with_hidden=True)
 
     def _capture(self) -> None:
-        # Warm-up and capture write into the padding slot only: the padded requests point at it, and a prefill is
-        # the padding slot's with one token (its first location; the padding rows go to that location too).
+        # Warm-up and capture write into the padding slot only. A prefill is the padding slot's, of one token (its
+        # first location; the padding rows go to that location too).
         self._extend_inputs[:2] = torch.tensor([self.padding_slot, 1])
-        for mode in self.tokens_per_request:
-            self._buffers(mode, self.max_batch)[2].fill_(self.padding_slot)
         # One memory pool for all graphs: only one replays at a time, so their intermediates can share memory. The
         # largest first: the smaller ones then fit in what it left.
         pool = None
         steps = [(ForwardMode.EXTEND, n) for n in reversed(self.extend_buckets)]
         steps += [(mode, batch_size) for mode in self.tokens_per_request for batch_size in reversed(self.buckets)]
         for step in steps:
+            if step[0] is not ForwardMode.EXTEND:
+                # The requests of a decode or verify step point at the padding slot (each bucket's slots are a
+                # view of its own offset in the buffer).
+                self._buffers(*step)[2].fill_(self.padding_slot)
             # Warm-up on a side stream first (lazy initialisation in cuBLAS and Triton's autotuning must not be
             # recorded), as torch.cuda.graphs recommends.
             stream = torch.cuda.Stream()
