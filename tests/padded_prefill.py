@@ -11,7 +11,9 @@ from a4 import LLM, SamplingParams
 def assert_a_padded_prefill_leaves_no_trace(ckpt, prompt: list[int], device: str, dtype: torch.dtype) -> None:
     """The padding after the prompt must leave no trace: the request's conv and recurrent states and the KV it
     writes equal an eager prefill's (the same backends over the prompt alone), and no KV location but the padding
-    slot's changes besides the request's."""
+    slot's changes besides the request's. The slot served a longer prompt first, whose pages the prefix cache keeps:
+    the table row's entries past the new prompt still point at them, and the padding must not write there."""
+    occupant = [(token + 1) % 1000 for token in prompt] + list(range(40))  # longer, and no prefix in common
     traces = {}
     for padded in (True, False):
         llm = LLM(ckpt, device=device, dtype=dtype, cuda_graphs=True, max_running_requests=1, max_prefill_tokens=32)
@@ -19,12 +21,15 @@ def assert_a_padded_prefill_leaves_no_trace(ckpt, prompt: list[int], device: str
         runner = engine.graph_runner
         if not padded:
             runner.takes_prefill = lambda prefix_lens, extend_lens: False
+        llm.generate([occupant], SamplingParams(max_new_tokens=1))
         kv_layers = range(engine.kv_pool.num_layers)
         kv_before = [torch.stack(engine.kv_pool.get_kv(layer)).clone() for layer in kv_layers]
         req = engine.add_request(prompt, SamplingParams(max_new_tokens=2))
         engine.step()  # the prefill, and the first token
         slot, gdn_layers = req.slot, range(len(engine.model_config.linear_attention_layers))
         locations = engine.table_manager.req_to_token[slot, : len(prompt)]
+        stale = engine.table_manager.req_to_token[slot, len(prompt) : len(occupant)].tolist()
+        assert set(stale).isdisjoint(locations.tolist()) and engine.cache_manager.prefix_cache.evictable_size > 0
         kv_after = [torch.stack(engine.kv_pool.get_kv(layer)) for layer in kv_layers]
         traces[padded] = {
             "conv": [engine.state_pool.conv_state(layer)[slot].float() for layer in gdn_layers],

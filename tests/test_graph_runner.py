@@ -17,7 +17,7 @@ import torch
 from a4 import LLM, SamplingParams
 from a4.core import ForwardMode
 from a4.engine.forward_batch import build_forward_batch
-from a4.engine.graph_runner import batch_buckets
+from a4.engine.graph_runner import MAX_CAPTURED_PREFILL, batch_buckets, token_buckets
 from a4.reference import hf_greedy
 from padded_prefill import assert_a_padded_prefill_leaves_no_trace
 
@@ -151,7 +151,8 @@ def test_a_step_that_does_not_fit_its_mode_is_refused(mode, prefix_lens, extend_
 @pytest.mark.parametrize("page_size", [1, 4])
 def test_static_prefill_equals_transformers(model, page_size, monkeypatch):
     # One slot: every prompt's first prefill is one request's with no prefix, the runner's. Prompts of 1 to 70
-    # tokens pad to buckets of 16 and 32 (one exactly 32); those over 32 continue in eager chunks.
+    # tokens pad to buckets of 16 and 32 (the first chunks of 32 fill theirs); those over 32 continue in eager
+    # chunks.
     ckpt, reference = model
     llm = LLM(ckpt, cuda_graphs=True, max_running_requests=1, max_prefill_tokens=32, page_size=page_size)
     runner = llm.engine.graph_runner
@@ -165,6 +166,32 @@ def test_static_prefill_equals_transformers(model, page_size, monkeypatch):
     # prefix cache also ends a chunk at the last page boundary, to keep a state there).
     assert len(served) == len(PROMPTS) and all(n <= min(len(p), 32) for n, p in zip(served, PROMPTS))
     assert_padding_is_nobodys(llm)
+
+
+def test_token_buckets_cover_every_prefill_length():
+    assert token_buckets(32) == [16, 32] and token_buckets(100) == [16, 32, 64, 100] and token_buckets(8) == [8]
+    for max_tokens in range(1, 300):
+        buckets = token_buckets(max_tokens)
+        assert buckets == sorted(set(buckets)) and buckets[-1] == max_tokens
+        for n in range(1, max_tokens + 1):
+            bucket = next(b for b in buckets if b >= n)
+            assert bucket <= max(16, 2 * n - 1) or bucket == max_tokens
+
+
+def test_prefills_past_the_largest_bucket_stay_eager(tiny_qwen3):
+    llm = LLM(tiny_qwen3, cuda_graphs=True, max_prefill_tokens=8192)
+    runner = llm.engine.graph_runner
+    largest = min(MAX_CAPTURED_PREFILL, llm.engine.runner.max_context_len)
+    assert runner.extend_buckets[-1] == largest
+    assert runner.takes_prefill([0], [largest]) and not runner.takes_prefill([0], [largest + 1])
+    assert not runner.takes_prefill([5], [3]) and not runner.takes_prefill([0, 0], [3, 4])
+
+
+def test_static_prefill_of_a_mixture_of_experts_equals_transformers(tiny_qwen3_5_moe):
+    prompts = PROMPTS[:4]
+    llm = LLM(tiny_qwen3_5_moe, cuda_graphs=True, max_running_requests=1, max_prefill_tokens=32)
+    outputs = llm.generate(prompts, SamplingParams(max_new_tokens=MAX_NEW))
+    assert [out.token_ids for out in outputs] == hf_greedy(tiny_qwen3_5_moe, prompts, MAX_NEW)
 
 
 @pytest.mark.parametrize("length", [1, 2, 3, 17, 32])

@@ -53,7 +53,7 @@ MAX_CAPTURED_PREFILL = 4096
 
 def token_buckets(max_tokens: int) -> list[int]:
     """The prefill lengths captured: powers of two from 16 below max_tokens, then max_tokens (the longest prefill
-    step, a whole chunk); a prompt pads to the first bucket that holds it, wasting less than half of it."""
+    step, a whole chunk). A prompt pads to the first bucket that holds it: past 16 tokens, to less than double."""
     sizes, size = [], 16
     while size < max_tokens:
         sizes.append(size)

@@ -125,8 +125,10 @@ def chunk_gated_delta_rule(
     """The gated delta rule in chunks of `chunk_size` tokens, for a flattened batch of B sequences (prefill).
 
     q, k: [T, H, dk]; v: [T, H, dv]; g, beta: [T, H]: float32, prepared as for `recurrent_gated_delta_rule`.
-    cu_seqlens: [B+1] int64, sequence i is tokens cu_seqlens[i] .. cu_seqlens[i+1]-1 (flash-linear-attention's
-    varlen convention); any lengths, not only multiples of chunk_size (16, 32 or 64).
+    cu_seqlens: [B+1] int64 on the CPU, even where the other tensors are on a GPU (the bounds are the host's to
+    read: the engine's backend builds them from its host lengths), sequence i is tokens cu_seqlens[i] ..
+    cu_seqlens[i+1]-1 (flash-linear-attention's varlen convention); any lengths, not only multiples of chunk_size
+    (16, 32 or 64).
     initial_state: [B, H, dk, dv] float32, sequence i's state before its first token (not modified).
     Returns (o [T, H, dv], final_state [B, H, dk, dv]): the same as running `recurrent_gated_delta_rule` on each
     sequence alone, to float32 rounding.

@@ -51,8 +51,8 @@ class TorchGDNBackend:
     """Eager steps: the students' notebook 04 functions (EXTEND, DECODE) and notebook 11's (TARGET_VERIFY)."""
 
     def prepare(self, fb: ForwardBatch) -> None:
-        """Each request continues from its slot (cleared when it was given out), and the varlen boundaries are the
-        context's. A padded prefill (a static EXTEND step, `fb.num_token_non_padded` set) gets its padding rows."""
+        """Each request continues from its slot (cleared when it was given out). A padded prefill (a static EXTEND
+        step, `fb.num_token_non_padded` set) gets its padding rows, [T] bool."""
         if fb.num_token_non_padded is not None:
             fb.gdn_metadata = torch.arange(fb.input_ids.shape[0], device=fb.slots.device) >= fb.num_token_non_padded
 
@@ -98,9 +98,12 @@ class TorchGDNBackend:
         state_in = state[fb.slots]
         if fb.mode is ForwardMode.EXTEND:
             if fb.num_token_non_padded is not None:
-                # A padding token with a = b = -inf has decay exp(g) = 1 and step size beta = 0: S stays as it is.
+                # A padding token with a = b = -inf has decay exp(g) = 1 and step size beta = 0, and with k = v = 0
+                # it writes nothing: S passes through it as it is, even were the padding's own values not finite
+                # (0 * nan is nan).
                 padding = fb.gdn_metadata[:, None]
                 a, b = a.masked_fill(padding, float("-inf")), b.masked_fill(padding, float("-inf"))
+                k, v = k.masked_fill(padding[..., None], 0), v.masked_fill(padding[..., None], 0)
             o, state_out = self.delta_rule_prefill(q, k, v, a, b, A_log, dt_bias, state_in, fb)
             state[fb.slots] = state_out
             return o
