@@ -127,32 +127,17 @@ class GraphRunner:
         """One step over the buffers (the work a graph records). DECODE or TARGET_VERIFY: the first `size` requests,
         the final hidden states [B * L, hidden] of every row and their float32 logits. EXTEND: the prefill in the
         buffers padded to `size` tokens, the final hidden state [1, hidden] of its last token and its logits."""
+        # What every step reads and writes, whatever its mode.
+        pools = dict(req_to_token=self._req_to_token, kv_pool=self._kv_pool, state_pool=self._state_pool,
+                     attn_backend=self._backend)  # fmt: skip
         if mode is ForwardMode.EXTEND:
             slot, num_tokens, input_ids = self._extend_inputs[:1], self._extend_inputs[1:2], self._extend_inputs[2:]
-            fb = static_extend_batch(
-                input_ids=input_ids[:size],
-                positions=self._extend_positions[:size],
-                slot=slot,
-                num_tokens=num_tokens,
-                padding_slot=self.padding_slot,
-                req_to_token=self._req_to_token,
-                kv_pool=self._kv_pool,
-                state_pool=self._state_pool,
-                attn_backend=self._backend,
-            )
-            return self.model(fb, with_hidden=True)
-        input_ids, positions, slots = self._buffers(mode, batch_size=size)
-        fb = static_forward_batch(
-            mode,
-            input_ids=input_ids,
-            positions=positions,
-            slots=slots,
-            max_seq_len=self._max_seq_len,
-            req_to_token=self._req_to_token,
-            kv_pool=self._kv_pool,
-            state_pool=self._state_pool,
-            attn_backend=self._backend,
-        )
+            fb = static_extend_batch(input_ids=input_ids[:size], positions=self._extend_positions[:size], slot=slot,
+                                     num_tokens=num_tokens, padding_slot=self.padding_slot, **pools)  # fmt: skip
+        else:
+            input_ids, positions, slots = self._buffers(mode, batch_size=size)
+            fb = static_forward_batch(mode, input_ids=input_ids, positions=positions, slots=slots,
+                                      max_seq_len=self._max_seq_len, **pools)  # fmt: skip
         return self.model(fb, with_hidden=True)
 
     def _capture(self) -> None:
