@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from a4 import LLM, SamplingParams
-from a4.core import ForwardMode
+from a4.core import ForwardMode, Req
 from a4.course.checks._harness import assert_close, model_reduction_length, tolerance
 from a4.models.config import load_model_config
 from a4.reference import hf_greedy, hf_prefill_capture
@@ -273,6 +273,26 @@ def test_non_finite_logits_fail_one_request_alone(request, monkeypatch, arch):
     monkeypatch.undo()
     assert [out.token_ids for out in llm.generate(PROMPTS, params)] == expected
     assert_clean(llm, checkpoint_dir)
+
+
+def test_sampler_flags_exactly_the_rows_that_are_not_finite():
+    """The sampler's check (one sum per row, then element by element where the sum is not finite) against
+    isfinite() of every element: a NaN, an infinity of either sign, and finite rows whose sums overflow to +-inf."""
+    from a4.engine.sampling import Sampler, logits_errors
+
+    logits = torch.randn(7, 50)
+    logits[1, 3] = float("nan")
+    logits[2, 0] = float("inf")
+    logits[3, 49] = float("-inf")
+    logits[4] = 3e38  # finite, sum +inf
+    logits[5] = -3e38  # finite, sum -inf
+    logits[6, :2] = torch.tensor([3e38, float("-inf")])
+    expected = [bool(row.isfinite().all()) for row in logits]
+    reqs = [Req(uid=i, input_ids=[1], sampling_params=SamplingParams()) for i in range(len(logits))]
+    samples = Sampler(torch.device("cpu")).sample(logits, reqs)
+    assert [sample.error is None for sample in samples] == expected == [True, False, False, False, True, True, False]
+    assert [sample.token for sample in samples if sample.error is None] == [int(logits[i].argmax()) for i in (0, 4, 5)]
+    assert [error is None for error in logits_errors(logits[:, None])] == expected
 
 
 def test_tiny_temperature_is_the_greedy_limit(tiny_qwen3_5):

@@ -50,9 +50,9 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, reqs: list[Req]) -> list[Sample]:
         """One token (or an error) per row of logits [len(reqs), vocab] (float32)."""
-        # One copy to the host for the whole step: the greedy tokens and which rows are finite.
-        tokens, finite = torch.stack([logits.argmax(dim=-1), torch.isfinite(logits).all(dim=-1).long()]).tolist()
-        errors = _errors(finite, logits)
+        # One copy to the host for the whole step: the greedy tokens and which rows may not be finite.
+        tokens, sum_finite = torch.stack([logits.argmax(dim=-1), _sum_is_finite(logits).long()]).tolist()
+        errors = _errors(sum_finite, logits)
         samples = []
         for i, req in enumerate(reqs):
             if errors[i] is not None:
@@ -83,12 +83,23 @@ def sampling_distribution(logits: torch.Tensor, params: SamplingParams) -> torch
 
 def logits_errors(logits: torch.Tensor) -> list[str | None]:
     """Per row of logits [N, ...]: why it cannot be sampled (it is not finite), or None."""
-    return _errors(torch.isfinite(logits.flatten(1)).all(dim=-1).tolist(), logits)
+    return _errors(_sum_is_finite(logits.flatten(1)).tolist(), logits)
 
 
-def _errors(finite: list, logits: torch.Tensor) -> list[str | None]:
-    """finite: per row, whether it is finite (bools, or 0 / 1)."""
-    return [None if ok else _non_finite_error(row) for ok, row in zip(finite, logits)]
+def _sum_is_finite(logits: torch.Tensor) -> torch.Tensor:
+    """Per row of logits [N, vocab]: whether its sum is finite. A NaN or an infinity anywhere in a row makes the sum
+    NaN or infinite, and one reduction costs less than `isfinite(logits).all()`, which writes a mask first: on an
+    H200 at batch 128 (127 MB of float32 logits) five launches and ~0.19 ms a step. A finite row can still have an
+    infinite sum (values near the float32 maximum): `_errors` checks such a row element by element."""
+    return logits.sum(dim=-1).isfinite()
+
+
+def _errors(sum_finite: list, logits: torch.Tensor) -> list[str | None]:
+    """sum_finite: per row, whether its sum is finite (bools, or 0 / 1); a row whose sum is not is checked whole."""
+    return [
+        None if ok or bool(torch.isfinite(row).all()) else _non_finite_error(row)
+        for ok, row in zip(sum_finite, logits)
+    ]
 
 
 def _non_finite_error(logits: torch.Tensor) -> str:

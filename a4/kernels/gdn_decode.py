@@ -41,6 +41,14 @@ import triton.language as tl
 # Channels per conv program, and one warp: every channel has exactly one owning thread (see above).
 CONV_BLOCK_D = 256
 CONV_WARPS = 1
+# State columns per rule program, and its warps (one warp for the tiny shapes' [16, 16] tile). Timed on an H200 at
+# the 0.8B shapes (one layer, states cold; columns, warps: µs at batch 1 / 32 / 128): 16, 4: 3.1 / 32.9 / 131;
+# 32, 4: 3.4 / 24.2 / 87; 64, 4: 4.1 / 22.6 / 76 (3.5 TB/s of state read and written); 128, 8: 6.3 / 32.6 / 116.
+# 64 columns make 32 programs for one request, too few for the SMs at batch 1, but 256-byte runs of each state row
+# at every batch. Fixed, not chosen by the batch: a tile's reductions round by its layout, and a row's bits must not
+# depend on how many requests share its step (a verify step and the decode steps of its tokens, above all).
+RULE_BLOCK_V = 64
+RULE_WARPS = 4
 
 
 @triton.jit
@@ -230,10 +238,8 @@ def _gated_delta_rule(q, k, v, a, b, A_log, dt_bias, state, slots, out, length: 
     q, k, v = (t if t.stride(2) == 1 else t.contiguous() for t in (q, k, v))
     a, b = (t if t.stride(1) == 1 else t.contiguous() for t in (a, b))
     block_k = max(16, triton.next_power_of_2(dk))
-    # 16 columns per program: 128 programs for one request at the 0.8B shapes (16 heads x 128 / 16), about one per
-    # SM of an H200; four warps share a [128, 16] tile, one warp the tiny shapes' [16, 16].
-    block_v = 16
-    num_warps = 4 if block_k >= 64 else 1
+    block_v = min(RULE_BLOCK_V, max(16, triton.next_power_of_2(dv)))
+    num_warps = RULE_WARPS if block_k >= 64 else 1
     o = torch.empty(rows, num_v_heads, dv, dtype=out_dtype, device=v.device)
     _gated_delta_rule_kernel[(slots.shape[0], num_v_heads, triton.cdiv(dv, block_v))](
         q, k, v, a, b, A_log, dt_bias, state, slots, o, out,

@@ -64,9 +64,10 @@ class DecodeMetadata:
 
 @dataclass
 class ExtendMetadata:
-    # Per request: its key locations [seq_len] and its causal mask [extend_len, seq_len] (True = may attend).
-    locs: list[torch.Tensor]
-    masks: list[torch.Tensor]
+    # Per request: its key locations [seq_len] and its causal mask [extend_len, seq_len] (True = may attend); both
+    # None for a request without a prefix, whose keys are all this step's own (see `_extend_attention`).
+    locs: list[torch.Tensor | None]
+    masks: list[torch.Tensor | None]
 
 
 class TorchAttnBackend:
@@ -91,6 +92,10 @@ class TorchAttnBackend:
         key_pos = torch.arange(fb.max_seq_len, device=fb.slots.device)
         locs, masks = [], []
         for i, (prefix_len, extend_len) in enumerate(zip(fb.prefix_lens, fb.extend_lens)):
+            if prefix_len == 0:
+                locs.append(None)
+                masks.append(None)
+                continue
             seq_len = prefix_len + extend_len
             locs.append(tables[i, :seq_len])
             # The query at position p sees keys 0..p. (SDPA's own `is_causal` would align the diagonal to the
@@ -104,7 +109,7 @@ class TorchAttnBackend:
     ) -> torch.Tensor:
         k_buf, v_buf = fb.kv_pool.get_kv(pool_layer)
         if fb.mode is ForwardMode.EXTEND:
-            return _extend_attention(q, k_buf, v_buf, fb, scale)
+            return _extend_attention(q, k, v, k_buf, v_buf, fb, scale)
         return _decode_attention(q, k_buf, v_buf, fb.attn_metadata, scale)
 
 
@@ -151,29 +156,41 @@ def gather(buf: torch.Tensor, locs: torch.Tensor) -> torch.Tensor:
     return buf.index_select(0, locs.flatten()).unflatten(0, locs.shape)
 
 
-def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
-    """SDPA of q [B, nH, n, D] over k, v [B, nKV, L, D] with a boolean mask (True = may attend).
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """SDPA of q [B, nH, n, D] over k, v [B, nKV, L, D] with a boolean mask (True = may attend), or, with mask None,
+    causally with n = L (query i sees keys 0..i).
 
-    GQA by repeating each kv head for its nH / nKV query heads (transformers' `repeat_kv`) rather than SDPA's
-    `enable_gqa`: on GPU the fused kernel that accepts a mask (memory-efficient) does not accept grouped heads, and
-    torch would fall back to the unfused math kernel.
+    Causal: SDPA's own `is_causal` and grouped heads (`enable_gqa`), which the flash kernel takes as they are: on an
+    H200, a 2,048-token prompt of Qwen3.5-0.8B's attention shapes took 0.11 ms against 0.31 ms masked, K and V
+    repeated (on the CPU the two give the same bits). With a mask, GQA by repeating each kv head for its nH / nKV
+    query heads (transformers' `repeat_kv`): on GPU the fused kernel that accepts a mask (memory-efficient) does not
+    accept grouped heads, and torch would fall back to the unfused math kernel.
     """
-    group = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     with sdpa_kernel(SDPA_BACKENDS):
+        if mask is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+        group = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
 
 
 def _extend_attention(
-    q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, fb: ForwardBatch, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_buf: torch.Tensor,
+    v_buf: torch.Tensor,
+    fb: ForwardBatch,
+    scale: float,
 ) -> torch.Tensor:
     """Prefill (or a chunk of one): one SDPA call per request.
 
     Requests have very different lengths here, and each call is a large matrix product, so a python loop costs
-    little next to the arithmetic while padding to the longest request could cost a lot.
+    little next to the arithmetic while padding to the longest request could cost a lot. A request without a prefix
+    attends causally over this step's own k and v (the same values as the pool's copy), gathering nothing.
     """
     meta: ExtendMetadata = fb.attn_metadata
-    out = torch.empty_like(q)
+    outputs = []
     start = 0
     for locs, mask, extend_len in zip(meta.locs, meta.masks, fb.extend_lens):
         rows = slice(start, start + extend_len)
@@ -181,10 +198,13 @@ def _extend_attention(
         # SDPA wants [batch, heads, tokens, D]: a batch of one. (Without the batch dim, CPU falls back to the
         # unfused math kernel, whose bfloat16 results differ from transformers'.)
         q_i = q[rows].transpose(0, 1)[None]  # [1, nH, extend_len, D]
-        k_i = gather(k_buf, locs).transpose(0, 1)[None]  # [1, nKV, seq_len, D]
-        v_i = gather(v_buf, locs).transpose(0, 1)[None]
-        out[rows] = sdpa(q_i, k_i, v_i, mask, scale)[0].transpose(0, 1)
-    return out
+        if locs is None:
+            k_i, v_i = k[rows].transpose(0, 1)[None], v[rows].transpose(0, 1)[None]  # [1, nKV, extend_len, D]
+        else:
+            k_i = gather(k_buf, locs).transpose(0, 1)[None]  # [1, nKV, seq_len, D]
+            v_i = gather(v_buf, locs).transpose(0, 1)[None]
+        outputs.append(sdpa(q_i, k_i, v_i, mask, scale)[0].transpose(0, 1))
+    return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
 
 
 def _decode_attention(

@@ -33,6 +33,7 @@ layers and one of these for the GDN layers, both prepared once per step.
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass
 from types import ModuleType
 
 import torch
@@ -47,14 +48,41 @@ from a4.layers.deltanet import (
 )
 
 
+@dataclass
+class PaddedPrefill:
+    """What every GDN layer of a padded prefill (a static EXTEND step: one request's tokens, then padding) needs to
+    keep the padding out of the states, computed on the device once per step, not once per layer."""
+
+    padding: torch.Tensor  # [T, 1] bool: the rows after the request's tokens
+    # The request's last K-1 inputs, the conv state it leaves: rows `conv_rows` of x where `conv_from_x` [K-1, 1],
+    # else columns `state_columns` of the state it started from (a request of fewer than K-1 tokens).
+    conv_rows: torch.Tensor
+    conv_from_x: torch.Tensor
+    state_columns: torch.Tensor
+
+    @staticmethod
+    def build(num_rows: int, num_tokens: torch.Tensor, width: int) -> PaddedPrefill:
+        """num_rows rows, the first num_tokens ([1], on the device: a slice's bounds would be the host's to read) of
+        them the request's; width = K-1."""
+        device = num_tokens.device
+        rows = num_tokens - width + torch.arange(width, device=device)  # x's rows; row -j is the state's j-th last
+        return PaddedPrefill(
+            padding=(torch.arange(num_rows, device=device) >= num_tokens)[:, None],
+            conv_rows=rows.clamp(min=0),
+            conv_from_x=(rows >= 0)[:, None],
+            state_columns=(rows + width).clamp(max=width - 1),
+        )
+
+
 class TorchGDNBackend:
     """Eager steps: the students' notebook 04 functions (EXTEND, DECODE) and notebook 11's (TARGET_VERIFY)."""
 
     def prepare(self, fb: ForwardBatch) -> None:
         """Each request continues from its slot (cleared when it was given out). A padded prefill (a static EXTEND
-        step, `fb.num_token_non_padded` set) gets its padding rows, [T] bool."""
+        step, `fb.num_token_non_padded` set) gets its `PaddedPrefill`."""
         if fb.num_token_non_padded is not None:
-            fb.gdn_metadata = torch.arange(fb.input_ids.shape[0], device=fb.slots.device) >= fb.num_token_non_padded
+            width = fb.state_pool.conv_state(0).shape[-1]
+            fb.gdn_metadata = PaddedPrefill.build(fb.input_ids.shape[0], fb.num_token_non_padded, width)
 
     def conv(self, x: torch.Tensor, weight: torch.Tensor, gdn_layer: int, fb: ForwardBatch) -> torch.Tensor:
         conv_state = fb.state_pool.conv_state(gdn_layer)
@@ -72,7 +100,7 @@ class TorchGDNBackend:
             if fb.num_token_non_padded is not None:
                 # The padding came after the request's tokens (it cannot reach their outputs, the conv is causal),
                 # but the state must be the last K-1 inputs before it.
-                states_out = _conv_state_before_padding(x, states_in, fb.num_token_non_padded)
+                states_out = _conv_state_before_padding(x, states_in, fb.gdn_metadata)
         conv_state[fb.slots] = states_out
         return y
 
@@ -100,10 +128,10 @@ class TorchGDNBackend:
             if fb.num_token_non_padded is not None:
                 # A padding token with a = b = -inf has decay exp(g) = 1 and step size beta = 0, and with k = v = 0
                 # it writes nothing: S passes through it as it is, even were the padding's own values not finite
-                # (0 * nan is nan).
-                padding = fb.gdn_metadata[:, None]
-                a, b = a.masked_fill(padding, float("-inf")), b.masked_fill(padding, float("-inf"))
-                k, v = k.masked_fill(padding[..., None], 0), v.masked_fill(padding[..., None], 0)
+                # (0 * nan is nan). torch.where, one launch each, where masked_fill of a view copies it first.
+                padding = fb.gdn_metadata.padding
+                a, b = torch.where(padding, float("-inf"), a), torch.where(padding, float("-inf"), b)
+                k, v = torch.where(padding[..., None], 0.0, k), torch.where(padding[..., None], 0.0, v)
             o, state_out = self.delta_rule_prefill(q, k, v, a, b, A_log, dt_bias, state_in, fb)
             state[fb.slots] = state_out
             return o
@@ -218,15 +246,13 @@ class HybridAttnBackend:
         return self.gdn.delta_rule(q, k, v, a, b, A_log, dt_bias, gdn_layer, fb)
 
 
-def _conv_state_before_padding(x: torch.Tensor, states_in: torch.Tensor, num_tokens: torch.Tensor) -> torch.Tensor:
-    """The conv state [1, D, K-1] of one request after its first `num_tokens` ([1], on the device) rows of x [T, D],
-    from states_in [1, D, K-1]: its last K-1 inputs, gathered by index (a slice's bounds would have to be read by
-    the host), from x, or from the old state where the request has fewer than K-1 tokens."""
-    width = states_in.shape[-1]
-    rows = num_tokens - width + torch.arange(width, device=x.device)  # x's rows; row -j is the state's j-th last
-    from_x = x[rows.clamp(min=0)]  # [K-1, D]
-    from_state = states_in[0].T[(rows + width).clamp(max=width - 1)]
-    return torch.where((rows >= 0)[:, None], from_x, from_state).T[None]
+def _conv_state_before_padding(x: torch.Tensor, states_in: torch.Tensor, padded: PaddedPrefill) -> torch.Tensor:
+    """The conv state [1, D, K-1] of a padded prefill's request after its tokens, the rows of x [T, D] before the
+    padding, from states_in [1, D, K-1]: its last K-1 inputs, from x, or from the old state where the request has
+    fewer than K-1 tokens."""
+    from_x = x[padded.conv_rows]  # [K-1, D]
+    from_state = states_in[0].T[padded.state_columns]
+    return torch.where(padded.conv_from_x, from_x, from_state).T[None]
 
 
 def _per_request(x: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
