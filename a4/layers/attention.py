@@ -88,9 +88,10 @@ class TorchAttnBackend:
             # Table entries past a row's length may be stale: point them at location 0 to stay in bounds.
             fb.attn_metadata = DecodeMetadata(locs=torch.where(valid, tables, 0), valid=valid)
             return
-        tables = fb.req_to_token[fb.slots, : fb.max_seq_len]
-        key_pos = torch.arange(fb.max_seq_len, device=fb.slots.device)
         locs, masks = [], []
+        if any(fb.prefix_lens):  # else nothing below reads them: two launches a step saved
+            tables = fb.req_to_token[fb.slots, : fb.max_seq_len]
+            key_pos = torch.arange(fb.max_seq_len, device=fb.slots.device)
         for i, (prefix_len, extend_len) in enumerate(zip(fb.prefix_lens, fb.extend_lens)):
             if prefix_len == 0:
                 locs.append(None)
