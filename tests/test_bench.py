@@ -222,7 +222,10 @@ def synthetic_gpu_parts() -> dict:
     a4 = {"prefill_ms": {"512": 10.24, "2048": 40.96}, "decode_ms": {"1": 2.00222, "8": 2.01776}}
     return {
         "floor": floor,
-        "a4": {**a4, "launch_profile": {"kernels": 100, "kernel_ms": 1.0, "wall_ms": 2.00222}},
+        "a4": {**a4, "launch_profile": [
+            {"step": "prefill", "batch": 1, "tokens": 2048, "kernels": 900, "kernel_ms": 30.0, "wall_ms": 40.96},
+            {"step": "decode", "batch": 8, "tokens": 8, "kernels": 100, "kernel_ms": 1.0, "wall_ms": 2.01776},
+        ]},  # fmt: skip
         "transformers": {kind: {key: 2 * ms for key, ms in times.items()} for kind, times in a4.items()},
         "context": {"gdn_layer_ms": [0.1, 0.1], "attention_layer_ms": [0.1, 0.3], "step_ms": [2.0, 2.2]},
     }
@@ -246,9 +249,13 @@ def test_gpu_report_floors_ratios_and_schema(tmp_path, capsys):
         "context": [1024, 4096], "batch": 1, "gdn_layer_ms": [0.1, 0.1], "attention_layer_ms": [0.1, 0.3],
         "step_ms": [2.0, 2.2],
     }  # fmt: skip
+    # Each step profile beside its step's floor (by hand, above).
     assert report["launch_profile"] == [
-        {"system": "a4", "batch": 1, "kernels": 100, "kernel_ms": 1.0, "wall_ms": 2.00222}
-    ]
+        {"system": "a4", "step": "prefill", "batch": 1, "tokens": 2048, "kernels": 900, "kernel_ms": 30.0,
+         "wall_ms": 40.96, "floor_ms": pytest.approx(20.48)},
+        {"system": "a4", "step": "decode", "batch": 8, "tokens": 8, "kernels": 100, "kernel_ms": 1.0,
+         "wall_ms": 2.01776, "floor_ms": pytest.approx(1.00888)},
+    ]  # fmt: skip
     json.dumps(report)  # all of it JSON
 
     labels = ["prefill 512 tokens", "prefill 2048 tokens", "decode batch 1", "decode batch 8"]
@@ -259,9 +266,31 @@ def test_gpu_report_floors_ratios_and_schema(tmp_path, capsys):
 
     gpu.print_table(report)
     printed = capsys.readouterr().out
-    assert "50.0%" in printed and "25.0%" in printed and "2.00" in printed and "100 GPU kernels" in printed
+    assert "50.0%" in printed and "25.0%" in printed and "2.00" in printed
+    assert "prefill 2048 tokens: 900 GPU kernels running 30.00 ms" in printed
+    assert "decode batch 8: 100 GPU kernels running 1.00 ms of a 2.02 ms step (50%" in printed
     gpu.plot(report, tmp_path / "gpu.png")
     assert (tmp_path / "gpu.png").stat().st_size > 0
+
+
+def test_step_profiles_profile_the_steps_they_name():
+    """bench gpu's launch profiles drive the engine to the step each names (a prefill of one prompt, a decode step of
+    the whole batch after chunked prefills) and profile that one step; the requests then finish, and the engine is
+    left idle for the next profile."""
+    model_dir = make_checkpoint(None, "qwen3_5", preset="tiny")
+    # max_prefill_tokens 24: the batch of 3 x 16 prompt tokens prefills over more than one step.
+    runner = engine.A4Runner(model_dir, "float32", max_prefill_tokens=24, max_running_requests=3)
+    prompts = [[5 + i, 6, 7, 8] * 4 for i in range(4)]
+    times = {"prefill_ms": {"16": 1.5}, "decode_ms": {"1": 0.5, "3": 0.7}}
+    profiles = gpu.step_profiles(runner.llm.engine, prompts[:1], prompts[1:], (1, 3), times)
+    assert [(p["step"], p["batch"], p["tokens"], p["wall_ms"]) for p in profiles] == [
+        ("prefill", 1, 16, 1.5), ("decode", 1, 1, 0.5), ("decode", 3, 3, 0.7)
+    ]  # fmt: skip
+    assert all(p["kernels"] == 0 and p["top_kernels"] == [] for p in profiles)  # no GPU here
+    stats = runner.llm.engine.stats
+    assert not runner.llm.engine.has_unfinished_requests
+    # Every request ran its 8 tokens: 1 from its prefill, 7 from decode steps.
+    assert stats.decode_tokens == 7 * 5
 
 
 def test_gpu_parts_run_on_the_cpu():
@@ -304,7 +333,7 @@ def test_gpu_parts_run_on_the_cpu():
             assert result["tokens_per_s"] > 0
 
     moe = report["moe"]
-    assert moe["preset"] == workload.moe_preset and moe["launch_profile"] is None
+    assert moe["preset"] == workload.moe_preset and moe["launch_profile"] == []  # profiled on CUDA only
     assert set(moe["decode_ms"]) == set(moe["decode_floor_ms"]) == {str(b) for b in workload.moe_batches}
     assert set(moe["prefill_ms"]) == {str(n) for n in workload.prefill_lens}
     # The weights were drawn on the device, not read: the MoE model's bytes, independently, from transformers.

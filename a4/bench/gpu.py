@@ -19,12 +19,13 @@ compiled kernels or imported modules:
   acceptance is forced), with the acceptance measured;
 - moe: Qwen3.5-35B-A3B's shapes (`qwen3_5_moe-35b-a3b`, ~70 GB in bf16) through the engine with CUDA graphs, its
   random weights built on the GPU from config.json (`load_format="dummy"`: no checkpoint on disk, which the H200's
-  64 GiB would not hold), prefill and decode timed as a4's (batch 1, 8, 32) and profiled at batch 1.
+  64 GiB would not hold), prefill and decode timed and profiled as a4's (batch 1, 8, 32).
 
 Each system prefills one 512- and one 2,048-token prompt (median of 5 after a warm-up, one new token) and decodes at
 batch 1, 8, 32, 64 and 128 (prompts of 128 tokens, median of 40 steps; a step is timed as in `bench engine`). The
-two a4 systems also profile one batch-1 decode step (torch.profiler): the GPU kernels it runs and their summed time,
-against the step's wall time (the median step above; the profiler's own overhead would inflate a profiled one).
+two a4 systems also profile each of these steps once (torch.profiler): the GPU kernels it runs and their summed time,
+against the step's wall time (the median step above; the profiler's own overhead would inflate a profiled one) and
+its floor; the wall time the kernels leave is the host's (Python, the scheduler, launches) and the gaps between them.
 The context part prefills nothing: the KV pool holds random keys and values (as in `bench decode-context`). Each of
 its calls is captured in a CUDA graph where it can be (the figure is then the GPU's time, not Python's) and runs
 eagerly where it cannot; it is timed with CUDA events over 10 calls back to back.
@@ -172,7 +173,7 @@ def time_runner(
     runner, config, workload: Workload, batches: tuple[int, ...], device: torch.device, profile: bool
 ) -> dict:
     """Prefill (workload.prefill_lens) and decode (`batches`) times (ms) of a runner; with `profile`, the launch
-    profile of its batch-1 decode step."""
+    profile of each of those steps (`step_profiles`)."""
     from a4.bench.engine import random_prompts
 
     lengths = (*workload.prefill_lens, *[workload.prompt_len] * max(batches))
@@ -192,7 +193,7 @@ def time_runner(
         for batch in batches
     }
     if profile:
-        result["launch_profile"] = launch_profile(runner.llm.engine, decode_prompts[0], result["decode_ms"]["1"])
+        result["launch_profile"] = step_profiles(runner.llm.engine, prefill_prompts, decode_prompts, batches, result)
     return result
 
 
@@ -337,20 +338,53 @@ def kernel_package_imported(package: str) -> bool:
 TOP_KERNELS = 15
 
 
-def launch_profile(engine, prompt: list[int], wall_ms: float) -> dict:
-    """The GPU kernels of one batch-1 decode step (count, summed time, the TOP_KERNELS names of most time with their
-    calls) and the step's wall time, wall_ms."""
+def step_profiles(
+    engine, prefill_prompts: list[list[int]], decode_prompts: list[list[int]], batches: tuple[int, ...], times: dict
+) -> list[dict]:
+    """The launch profile of every step timed in `times` (time_runner's result): the prefill of each prompt and the
+    decode step at each batch size, each against its wall time there."""
+    prefills = [
+        {"step": "prefill", "batch": 1, "tokens": len(prompt),
+         **launch_profile(engine, [prompt], "prefill", times["prefill_ms"][str(len(prompt))])}
+        for prompt in prefill_prompts
+    ]  # fmt: skip
+    decodes = [
+        {"step": "decode", "batch": batch, "tokens": batch,
+         **launch_profile(engine, decode_prompts[:batch], "decode", times["decode_ms"][str(batch)])}
+        for batch in batches
+    ]  # fmt: skip
+    return prefills + decodes
+
+
+def launch_profile(engine, prompts: list[list[int]], step: str, wall_ms: float) -> dict:
+    """The GPU kernels of one engine step (torch.profiler): count, summed time, the TOP_KERNELS names of most time
+    with their calls, beside the step's wall time, wall_ms (timed unprofiled: the profiler's own work would inflate
+    it). `step`: "prefill", the first step of the prompts (one prompt: one prefill); "decode", a decode step of all of
+    them, after their prefills and one decode step (captured graphs warm). On a CPU (the tests) it profiles the
+    same step and finds no GPU kernels."""
     from torch.profiler import ProfilerActivity, profile
 
     from a4 import SamplingParams
 
-    req = engine.add_request(prompt, SamplingParams(max_new_tokens=4, ignore_eos=True))
-    engine.step()  # the prefill
-    engine.step()  # a first decode step
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    on_cuda = engine.runner.device.type == "cuda"
+
+    reqs = [engine.add_request(prompt, SamplingParams(max_new_tokens=8, ignore_eos=True)) for prompt in prompts]
+    if step == "decode":
+        while not all(req.output_ids for req in reqs):
+            engine.step()  # the prefills
         engine.step()
-        torch.cuda.synchronize()
-    engine.run([req])
+    stats = engine.stats
+    before = (stats.prefill_steps, stats.decode_steps, stats.decode_request_steps)
+    with profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * on_cuda) as prof:
+        engine.step()
+        if on_cuda:
+            torch.cuda.synchronize()
+    ran = (stats.prefill_steps - before[0], stats.decode_steps - before[1], stats.decode_request_steps - before[2])
+    expected = (1, 0, 0) if step == "prefill" else (0, 1, len(prompts))
+    if ran != expected:
+        raise RuntimeError(f"the profiled step was not the {step} step of {len(prompts)} requests: "
+                           f"(prefill steps, decode steps, requests decoded) {ran}, expected {expected}")  # fmt: skip
+    engine.run(reqs)
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     by_name: dict[str, list[float]] = {}
     for event in kernels:
@@ -578,17 +612,25 @@ def assemble(parts: dict[str, dict], workload: Workload, meta: dict) -> dict:
     if "context" in parts:
         report["decode_vs_context"] = {"context": list(workload.contexts), "batch": 1, **parts["context"]}
     report["launch_profile"] = [
-        {"system": name, "batch": 1, **parts[name]["launch_profile"]}
+        {"system": name, **profile}
         for name in ("a4_no_graphs", "a4")
-        if "launch_profile" in parts.get(name, {})
+        for profile in with_floors(parts.get(name, {}).get("launch_profile", []), report["floor"])
     ]
     return report
+
+
+def with_floors(profiles: list[dict], floors: dict) -> list[dict]:
+    """Each step profile with its step's floor_ms, from `floors` (the report's floor, or moe_report's): a prefill's
+    by its tokens, a decode step's by its batch (its tokens)."""
+    return [
+        {**profile, "floor_ms": floors[f"{profile['step']}_floor_ms"][str(profile["tokens"])]} for profile in profiles
+    ]
 
 
 def moe_report(part: dict, floor: dict, workload: Workload) -> dict:
     """The moe part's times beside their floors, from the floor part's bandwidth and GEMM rate."""
     model_bytes = ModelBytes(**part["model_bytes"])
-    return {
+    report = {
         "preset": part["preset"],
         "weight_bytes": model_bytes.weight_bytes,
         "prefill_ms": part["prefill_ms"],
@@ -600,8 +642,9 @@ def moe_report(part: dict, floor: dict, workload: Workload) -> dict:
         "prefill_floor_ms": {
             n: model_bytes.prefill_flop(int(n)) / floor["bf16_flop_per_s"] * 1e3 for n in part["prefill_ms"]
         },
-        "launch_profile": part.get("launch_profile"),
     }
+    report["launch_profile"] = with_floors(part.get("launch_profile", []), report)
+    return report
 
 
 def rows(report: dict) -> list[tuple[str, str, str]]:
@@ -688,15 +731,29 @@ def print_table(report: dict) -> None:
                 label = f"{kind} {key} tokens" if kind == "prefill" else f"decode batch {key}"
                 print(f"{label:<20}{ms:>10.2f}  floor {floor_time:.3f} ({floor_time / ms:.1%})")
     profiles = [*report["launch_profile"]]
-    if report.get("moe", {}).get("launch_profile"):
-        profiles.append({"system": f"a4, MoE {report['moe']['preset']}", "batch": 1, **report["moe"]["launch_profile"]})
+    if report.get("moe"):
+        moe = report["moe"]
+        profiles += [{"system": f"a4, MoE {moe['preset']}", **row} for row in moe["launch_profile"]]
+    if profiles:
+        print("\nlaunch profiles: the GPU kernels of one step, their summed time, the step's wall time and its floor")
     for row in profiles:
         print(
-            f"\n{row['system']}, one decode step at batch {row['batch']}: {row['kernels']} GPU kernels running "
-            f"{row['kernel_ms']:.2f} ms of a {row['wall_ms']:.2f} ms step ({row['kernel_ms'] / row['wall_ms']:.0%})"
+            f"{row['system']}, {step_label(row)}: {row['kernels']} GPU kernels running {row['kernel_ms']:.2f} ms of a "
+            f"{row['wall_ms']:.2f} ms step ({row['kernel_ms'] / row['wall_ms']:.0%}; the host's and the gaps "
+            f"{row['wall_ms'] - row['kernel_ms']:.2f} ms); floor {row['floor_ms']:.3f} ms, the kernels at "
+            f"{row['kernel_ms'] / row['floor_ms']:.1f}x it"
         )
-        for kernel in row.get("top_kernels", []):
-            print(f"  {kernel['calls']:>5} x {kernel['ms']:7.3f} ms  {kernel['name'][:90]}")
+        # The kernels by name of the captured engines only: without graphs a4 runs the same ones.
+        if row["system"] != "a4_no_graphs":
+            for kernel in row.get("top_kernels", []):
+                print(f"  {kernel['calls']:>5} x {kernel['ms']:7.3f} ms  {kernel['name'][:90]}")
+
+
+def step_label(profile: dict) -> str:
+    """A step profile's row label, as `rows` names its figures."""
+    if profile["step"] == "prefill":
+        return f"prefill {profile['tokens']} tokens"
+    return f"decode batch {profile['batch']}"
 
 
 def draw(report: dict, axes) -> None:
@@ -732,15 +789,19 @@ def draw(report: dict, axes) -> None:
         context_ax.legend(fontsize=7)
     context_ax.set_title("decode vs context, batch 1", loc="left", fontsize=10)
 
-    profile = report["launch_profile"]
+    profile = [row for row in report["launch_profile"] if row["system"] == "a4"]
     if not profile:
         launch_ax.text(0.5, 0.5, "no launch profile: a4 ran on no GPU", ha="center", transform=launch_ax.transAxes)
-    labels = [row["system"] for row in profile]
-    launch_ax.bar(labels, [row["wall_ms"] for row in profile], 0.6, label="wall time of the step")
-    bars = launch_ax.bar(labels, [row["kernel_ms"] for row in profile], 0.4, label="GPU kernels' summed time")
-    launch_ax.bar_label(bars, [f"{row['kernels']} kernels" for row in profile], fontsize=7)
-    launch_ax.set_ylabel("ms")
-    launch_ax.set_title("one batch-1 decode step", loc="left", fontsize=10)
+    labels = [step_label(row).replace(" tokens", "").replace("batch ", "b").replace(" ", "\n") for row in profile]
+    positions = range(len(profile))
+    launch_ax.bar(positions, [row["wall_ms"] for row in profile], 0.7, label="wall time of the step")
+    bars = launch_ax.bar(positions, [row["kernel_ms"] for row in profile], 0.45, label="GPU kernels' summed time")
+    launch_ax.bar_label(bars, [f"{row['kernels']}" for row in profile], fontsize=6)
+    launch_ax.scatter(positions, [row["floor_ms"] for row in profile], color="k", marker="_", s=200, zorder=3,
+                      label="floor")  # fmt: skip
+    launch_ax.set_xticks(list(positions), labels, fontsize=7)
+    launch_ax.set(yscale="log", ylabel="ms")
+    launch_ax.set_title("a4's steps (CUDA graphs), kernels per step on the bars", loc="left", fontsize=10)
     launch_ax.legend(fontsize=7)
 
 
