@@ -208,8 +208,8 @@ def test_notebook_10_states_the_figures_of_its_h200_run():
     them: the kernels of a decode step, their GPU time and wall time each, the copy and GEMM rates, the floors."""
     h200 = json.loads((SOLUTIONS_ROOT / "report" / "h200_gpu.json").read_text())
     floor = h200["floor"]
-    [eager] = [p for p in h200["launch_profile"] if p["system"] == "a4_no_graphs"]
-    [captured] = [p for p in h200["launch_profile"] if p["system"] == "a4"]
+    [eager, captured] = [p for p in h200["launch_profile"] if p["step"] == "decode" and p["batch"] == 1]
+    assert (eager["system"], captured["system"]) == ("a4_no_graphs", "a4")
     # One profile of the same step: with and without CUDA graphs it launches the same kernels.
     assert eager["kernels"] == captured["kernels"]
     text = " ".join(markdown_of("10_gpu.ipynb").split())  # prose lines rewrapped
