@@ -95,11 +95,13 @@ def _sum_is_finite(logits: torch.Tensor) -> torch.Tensor:
 
 
 def _errors(sum_finite: list, logits: torch.Tensor) -> list[str | None]:
-    """sum_finite: per row, whether its sum is finite (bools, or 0 / 1); a row whose sum is not is checked whole."""
-    return [
-        None if ok or bool(torch.isfinite(row).all()) else _non_finite_error(row)
-        for ok, row in zip(sum_finite, logits)
-    ]
+    """sum_finite: per row, whether its sum is finite (bools, or 0 / 1); a row whose sum is not is checked whole.
+    Only such a row is indexed: iterating over logits would make a view of every row, ~0.4 µs each on the host."""
+    return [None if ok else _row_error(logits[i]) for i, ok in enumerate(sum_finite)]
+
+
+def _row_error(row: torch.Tensor) -> str | None:
+    return None if bool(torch.isfinite(row).all()) else _non_finite_error(row)
 
 
 def _non_finite_error(logits: torch.Tensor) -> str:
