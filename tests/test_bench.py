@@ -289,8 +289,8 @@ def test_step_profiles_profile_the_steps_they_name():
     assert all(p["kernels"] == 0 and p["top_kernels"] == [] for p in profiles)  # no GPU here
     stats = runner.llm.engine.stats
     assert not runner.llm.engine.has_unfinished_requests
-    # Every request ran its 8 tokens: 1 from its prefill, 7 from decode steps.
-    assert stats.decode_tokens == 7 * 5
+    # Every one of the 5 requests ran to its end: 1 token from its prefill, the others from decode steps.
+    assert stats.decode_tokens == 5 * (gpu.PROFILE_NEW_TOKENS - 1)
 
 
 def test_gpu_parts_run_on_the_cpu():

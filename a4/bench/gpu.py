@@ -336,6 +336,9 @@ def kernel_package_imported(package: str) -> bool:
 
 # Kernels by name in a launch profile's table, those of most GPU time first.
 TOP_KERNELS = 15
+# New tokens of each profiled request: enough that every request of a batch is still decoding at the profiled step,
+# even where the scheduler decoded the first ones between the prefill chunks of the others.
+PROFILE_NEW_TOKENS = 8
 
 
 def step_profiles(
@@ -367,8 +370,8 @@ def launch_profile(engine, prompts: list[list[int]], step: str, wall_ms: float) 
     from a4 import SamplingParams
 
     on_cuda = engine.runner.device.type == "cuda"
-
-    reqs = [engine.add_request(prompt, SamplingParams(max_new_tokens=8, ignore_eos=True)) for prompt in prompts]
+    params = SamplingParams(max_new_tokens=PROFILE_NEW_TOKENS, ignore_eos=True)
+    reqs = [engine.add_request(prompt, params) for prompt in prompts]
     if step == "decode":
         while not all(req.output_ids for req in reqs):
             engine.step()  # the prefills

@@ -101,6 +101,7 @@ def _errors(sum_finite: list, logits: torch.Tensor) -> list[str | None]:
 
 
 def _row_error(row: torch.Tensor) -> str | None:
+    """Why one row of logits cannot be sampled, or None where every element is finite."""
     return None if bool(torch.isfinite(row).all()) else _non_finite_error(row)
 
 
