@@ -653,9 +653,14 @@ def moe_report(part: dict, floor: dict, workload: Workload) -> dict:
 def rows(report: dict) -> list[tuple[str, str, str]]:
     """(label, "prefill_ms" or "decode_ms", key) for each figure of a system, in the table's order."""
     floor = report["floor"]
-    return [(f"prefill {n} tokens", "prefill_ms", n) for n in floor["prefill_floor_ms"]] + [
-        (f"decode batch {b}", "decode_ms", b) for b in floor["decode_floor_ms"]
+    return [(step_label("prefill", n), "prefill_ms", n) for n in floor["prefill_floor_ms"]] + [
+        (step_label("decode", b), "decode_ms", b) for b in floor["decode_floor_ms"]
     ]
+
+
+def step_label(step: str, key: int | str) -> str:
+    """A step's label in the tables: "prefill N tokens" (key: its tokens) or "decode batch B" (key: its batch)."""
+    return f"prefill {key} tokens" if step == "prefill" else f"decode batch {key}"
 
 
 def floor_ms(report: dict, kind: str, key: str) -> float:
@@ -731,8 +736,7 @@ def print_table(report: dict) -> None:
         for kind in ("prefill", "decode"):
             for key, ms in part[f"{kind}_ms"].items():
                 floor_time = part[f"{kind}_floor_ms"][key]
-                label = f"{kind} {key} tokens" if kind == "prefill" else f"decode batch {key}"
-                print(f"{label:<20}{ms:>10.2f}  floor {floor_time:.3f} ({floor_time / ms:.1%})")
+                print(f"{step_label(kind, key):<20}{ms:>10.2f}  floor {floor_time:.3f} ({floor_time / ms:.1%})")
     profiles = [*report["launch_profile"]]
     if report.get("moe"):
         moe = report["moe"]
@@ -741,22 +745,15 @@ def print_table(report: dict) -> None:
         print("\nlaunch profiles: the GPU kernels of one step, their summed time, the step's wall time and its floor")
     for row in profiles:
         print(
-            f"{row['system']}, {step_label(row)}: {row['kernels']} GPU kernels running {row['kernel_ms']:.2f} ms of a "
-            f"{row['wall_ms']:.2f} ms step ({row['kernel_ms'] / row['wall_ms']:.0%}; the host's and the gaps "
-            f"{row['wall_ms'] - row['kernel_ms']:.2f} ms); floor {row['floor_ms']:.3f} ms, the kernels at "
-            f"{row['kernel_ms'] / row['floor_ms']:.1f}x it"
+            f"{row['system']}, {step_label(row['step'], row['tokens'])}: {row['kernels']} GPU kernels running "
+            f"{row['kernel_ms']:.2f} ms of a {row['wall_ms']:.2f} ms step ({row['kernel_ms'] / row['wall_ms']:.0%}; "
+            f"the host's and the gaps {row['wall_ms'] - row['kernel_ms']:.2f} ms); floor {row['floor_ms']:.3f} ms, "
+            f"the kernels at {row['kernel_ms'] / row['floor_ms']:.1f}x it"
         )
         # The kernels by name of the captured engines only: without graphs a4 runs the same ones.
         if row["system"] != "a4_no_graphs":
             for kernel in row.get("top_kernels", []):
                 print(f"  {kernel['calls']:>5} x {kernel['ms']:7.3f} ms  {kernel['name'][:90]}")
-
-
-def step_label(profile: dict) -> str:
-    """A step profile's row label, as `rows` names its figures."""
-    if profile["step"] == "prefill":
-        return f"prefill {profile['tokens']} tokens"
-    return f"decode batch {profile['batch']}"
 
 
 def draw(report: dict, axes) -> None:
@@ -795,7 +792,9 @@ def draw(report: dict, axes) -> None:
     profile = [row for row in report["launch_profile"] if row["system"] == "a4"]
     if not profile:
         launch_ax.text(0.5, 0.5, "no launch profile: a4 ran on no GPU", ha="center", transform=launch_ax.transAxes)
-    labels = [step_label(row).replace(" tokens", "").replace("batch ", "b").replace(" ", "\n") for row in profile]
+    # Short labels under the bars: "prefill\n512", "decode\nb8".
+    labels = [step_label(row["step"], row["tokens"]).replace(" tokens", "").replace("batch ", "b").replace(" ", "\n")
+              for row in profile]  # fmt: skip
     positions = range(len(profile))
     launch_ax.bar(positions, [row["wall_ms"] for row in profile], 0.7, label="wall time of the step")
     bars = launch_ax.bar(positions, [row["kernel_ms"] for row in profile], 0.45, label="GPU kernels' summed time")
