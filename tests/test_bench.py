@@ -96,10 +96,11 @@ def test_engine_fraction_of_floor_arithmetic():
         "state_bytes_per_request": 1000, "kv_bytes_per_token": 10, "routed_expert_params": 0, "num_experts": 0,
         "experts_per_token": 0, "bytes_per_param": 4,
     }  # fmt: skip
-    # By hand: prefill 2 * 1e5 * 100 FLOP = 20 ms at the GEMM rate, measured 40 ms. Decode batch 1 reads 1e6 + 1000
-    # + 10 * (10 + 4 / 2) bytes = 1.00112 ms at the bandwidth, measured 4x that; batch 2 (prompts of 10 and 30, mean
-    # context 20 + 2) reads 1e6 + 2 * (1000 + 220) bytes = 1.00244 ms, measured 2x that.
-    tokens_per_s = {"prefill": 100 / 0.040, "decode batch 1": 1 / 4.00448e-3, "decode batch 8": 2 / 2.00488e-3}
+    # By hand: prefill 2 * 1e5 * 100 FLOP = 20 ms at the GEMM rate, measured 40 ms. Decode batch 1 reads the weights
+    # and the KV, reads the state and writes it back: 1e6 + 2 * 1000 + 10 * (10 + 4 / 2) bytes = 1.00212 ms at the
+    # bandwidth, measured 4x that; batch 2 (prompts of 10 and 30, mean context 20 + 2) moves 1e6 + 2 * (2 * 1000 +
+    # 220) bytes = 1.00444 ms, measured 2x that.
+    tokens_per_s = {"prefill": 100 / 0.040, "decode batch 1": 1 / 4.00848e-3, "decode batch 8": 2 / 2.00888e-3}
     fractions = engine.fraction_of_floor(tokens_per_s, floor, workload)
     assert fractions == pytest.approx({"prefill": 0.5, "decode batch 1": 0.25, "decode batch 8": 0.5})
 
@@ -217,14 +218,15 @@ def synthetic_gpu_parts() -> dict:
         "non_embedding_params": 5 * 10**8, "state_bytes_per_request": 10**6, "kv_bytes_per_token": 1000,
         "routed_expert_params": 0, "num_experts": 0, "experts_per_token": 0, "bytes_per_param": 2,
     }  # fmt: skip
-    # By hand: decode reads 1e9 + batch * (1e6 + 1000 * (100 + 20 / 2)) bytes at 1e12 B/s: 1.00111 ms at batch 1,
-    # 1.00888 ms at batch 8; prefill 2 * 5e8 * tokens FLOP at 1e14 FLOP/s: 5.12 ms for 512 tokens, 20.48 ms for 2048.
-    a4 = {"prefill_ms": {"512": 10.24, "2048": 40.96}, "decode_ms": {"1": 2.00222, "8": 2.01776}}
+    # By hand: decode moves 1e9 + batch * (2 * 1e6 + 1000 * (100 + 20 / 2)) bytes (each state read and written) at
+    # 1e12 B/s: 1.00211 ms at batch 1, 1.01688 ms at batch 8; prefill 2 * 5e8 * tokens FLOP at 1e14 FLOP/s: 5.12 ms
+    # for 512 tokens, 20.48 ms for 2048.
+    a4 = {"prefill_ms": {"512": 10.24, "2048": 40.96}, "decode_ms": {"1": 2.00422, "8": 2.03376}}
     return {
         "floor": floor,
         "a4": {**a4, "launch_profile": [
             {"step": "prefill", "batch": 1, "tokens": 2048, "kernels": 900, "kernel_ms": 30.0, "wall_ms": 40.96},
-            {"step": "decode", "batch": 8, "tokens": 8, "kernels": 100, "kernel_ms": 1.0, "wall_ms": 2.01776},
+            {"step": "decode", "batch": 8, "tokens": 8, "kernels": 100, "kernel_ms": 1.0, "wall_ms": 2.03376},
         ]},  # fmt: skip
         "transformers": {kind: {key: 2 * ms for key, ms in times.items()} for kind, times in a4.items()},
         "context": {"gdn_layer_ms": [0.1, 0.1], "attention_layer_ms": [0.1, 0.3], "step_ms": [2.0, 2.2]},
@@ -241,7 +243,7 @@ def test_gpu_report_floors_ratios_and_schema(tmp_path, capsys):
     assert report["meta"]["dtype"] == "bfloat16" and report["meta"]["shapes"] == "0.8b"
     floor = report["floor"]
     assert set(floor) == {"hbm_bytes_per_s", "bf16_flop_per_s", "weight_bytes", "decode_floor_ms", "prefill_floor_ms"}
-    assert floor["decode_floor_ms"] == pytest.approx({"1": 1.00111, "8": 1.00888})
+    assert floor["decode_floor_ms"] == pytest.approx({"1": 1.00211, "8": 1.01688})
     assert floor["prefill_floor_ms"] == pytest.approx({"512": 5.12, "2048": 20.48})
     assert set(report["systems"]) == {"a4", "transformers"}
     assert all(set(times) == {"prefill_ms", "decode_ms"} for times in report["systems"].values())
@@ -254,7 +256,7 @@ def test_gpu_report_floors_ratios_and_schema(tmp_path, capsys):
         {"system": "a4", "step": "prefill", "batch": 1, "tokens": 2048, "kernels": 900, "kernel_ms": 30.0,
          "wall_ms": 40.96, "floor_ms": pytest.approx(20.48)},
         {"system": "a4", "step": "decode", "batch": 8, "tokens": 8, "kernels": 100, "kernel_ms": 1.0,
-         "wall_ms": 2.01776, "floor_ms": pytest.approx(1.00888)},
+         "wall_ms": 2.03376, "floor_ms": pytest.approx(1.01688)},
     ]  # fmt: skip
     json.dumps(report)  # all of it JSON
 
@@ -268,7 +270,7 @@ def test_gpu_report_floors_ratios_and_schema(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "50.0%" in printed and "25.0%" in printed and "2.00" in printed
     assert "prefill 2048 tokens: 900 GPU kernels running 30.00 ms" in printed
-    assert "decode batch 8: 100 GPU kernels running 1.00 ms of a 2.02 ms step (50%" in printed
+    assert "decode batch 8: 100 GPU kernels running 1.00 ms of a 2.03 ms step (49%" in printed
     gpu.plot(report, tmp_path / "gpu.png")
     assert (tmp_path / "gpu.png").stat().st_size > 0
 

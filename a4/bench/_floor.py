@@ -1,7 +1,7 @@
 """The floor of a step: what the hardware needs at the least to run it, measured on the machine that runs it.
 
-- Decode is memory-bound: a step reads every weight once, and each running request's state and KV; its floor is
-  those bytes over the memory bandwidth (a large device-to-device copy, read plus written bytes per second). Of a
+- Decode is memory-bound: a step reads every weight once and each running request's KV, and reads each request's
+  GDN state and writes it back (the rule updates it in place); its floor is those bytes over the memory bandwidth (a large device-to-device copy, read plus written bytes per second). Of a
   mixture of experts' routed experts a step reads only those its tokens chose: with routing spread evenly over the
   E experts (as random weights route), a batch of B tokens choosing k each touches E * (1 - (1 - k / E)^B) of them.
 - Prefill is compute-bound: a step multiplies every token by every weight outside the embedding (2 FLOP per weight
@@ -68,10 +68,10 @@ class ModelBytes:
         return self.routed_expert_params * (1 - self.experts_per_token / self.num_experts) ** tokens
 
     def decode_bytes(self, batch: int, context: float) -> float:
-        """Bytes one decode step reads at least: the weights (of the routed experts, the share a batch of this many
-        tokens chooses), and each request's state and the KV of its context."""
+        """Bytes one decode step moves at least: the weights (of the routed experts, the share a batch of this many
+        tokens chooses), each request's state read and written back, and the KV of its context read."""
         weights = self.weight_bytes - self.unused_expert_params(batch) * self.bytes_per_param
-        return weights + batch * (self.state_bytes_per_request + self.kv_bytes_per_token * context)
+        return weights + batch * (2 * self.state_bytes_per_request + self.kv_bytes_per_token * context)
 
     def prefill_flop(self, tokens: int) -> float:
         """FLOP of a prefill's weight GEMMs (attention's own work, which grows with the square of the prompt, aside);

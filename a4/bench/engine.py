@@ -17,7 +17,7 @@ transformers is loaded; each dtype runs in a fresh process, so that each peak is
 The floor, measured in the same process after the timings (`a4.bench._floor`): this machine's GEMM rate at the
 shapes of the model's MLP (the prefill's tokens times its first projection) and its memory bandwidth (a large copy).
 Each workload is reported as a fraction of its floor: prefill against the time of its weight GEMMs at that rate,
-decode against the time of reading its bytes (weights, GDN states, KV) at that bandwidth.
+decode against the time of moving its bytes (weights and KV read, GDN states read and written) at that bandwidth.
 
     python -m a4 bench engine [--quick] [--out DIR]
 """

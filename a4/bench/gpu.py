@@ -30,9 +30,9 @@ The context part prefills nothing: the KV pool holds random keys and values (as 
 its calls is captured in a CUDA graph where it can be (the figure is then the GPU's time, not Python's) and runs
 eagerly where it cannot; it is timed with CUDA events over 10 calls back to back.
 
-The floor of each time: decode, the bytes a step reads (the weights, each request's GDN state and the KV of its
-context, taken as the mean over the timed steps; of a mixture of experts' routed experts only those the batch's
-tokens choose, `ModelBytes.decode_bytes`) at the copy bandwidth; prefill, its weight GEMMs
+The floor of each time: decode, the bytes a step moves (the weights, each request's GDN state read and written back,
+and the KV of its context, taken as the mean over the timed steps; of a mixture of experts' routed experts only those
+the batch's tokens choose, `ModelBytes.decode_bytes`) at the copy bandwidth; prefill, its weight GEMMs
 (2 x non-embedding parameters x tokens) at the GEMM rate. The table gives the times, a4's speedup over each other
 system and the floor as a fraction of each time. Written to --out (default solutions/report/): <gpu>_gpu.json (the
 schema notebook 10 reads) and <gpu>_gpu.png, <gpu> from the device's name (h200); `--quick` (tiny shapes, a few
