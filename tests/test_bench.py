@@ -89,6 +89,21 @@ def test_engine_prompts_avoid_stop_tokens():
     assert all(0 <= token < 20 and token not in (3, 4) for p in prompts for token in p)
 
 
+def test_decode_steps_are_timed_only_at_the_whole_batch():
+    """A decode step timed as batch b's decodes every unfinished request of the b: an engine with fewer slots than
+    the batch decodes part of it while the rest waits, and is refused instead of timed."""
+    model_dir = make_checkpoint(None, "qwen3_5", preset="tiny")
+    prompts = [[5, 6, 7, 8] * 4, [9, 10, 11] * 3]
+    # By hand: each request's first token comes from its prefill, so 6 new tokens are 5 decode steps of both.
+    runner = engine.A4Runner(model_dir, "float32", max_prefill_tokens=64, max_running_requests=2)
+    assert len(runner.decode_step_seconds(prompts, 6)) == 5
+    one_slot = engine.A4Runner(model_dir, "float32", max_prefill_tokens=64, max_running_requests=1)
+    with pytest.raises(RuntimeError, match=r"ran 1 of the 2 unfinished requests .* 1 request slots"):
+        one_slot.decode_step_seconds(prompts, 6)
+    assert not one_slot.llm.engine.has_unfinished_requests  # both aborted: the engine is left idle
+    assert len(one_slot.decode_step_seconds(prompts[:1], 6)) == 5
+
+
 def test_engine_fraction_of_floor_arithmetic():
     workload = engine.Workload(100, 10, (10, 30), new_tokens=4, repeats=1, copy_bytes=1)
     floor = {

@@ -126,19 +126,33 @@ class A4Runner:
         self.llm.generate([prompt], SamplingParams(max_new_tokens=1, ignore_eos=True))
 
     def decode_step_seconds(self, prompts: list[list[int]], new_tokens: int) -> list[float]:
-        """Wall time of every decode step while the prompts generate new_tokens each (prefill steps left out)."""
+        """Wall time of every decode step while the prompts generate new_tokens each (prefill steps left out).
+
+        Each decode step must decode every request not yet finished: an engine with too few request slots or KV
+        pages for the batch decodes part of it while the rest waits, and its steps would be timed as the batch's."""
         from a4 import SamplingParams
 
-        engine = self.llm.engine
+        engine, stats = self.llm.engine, self.llm.engine.stats
         params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
         reqs = [engine.add_request(prompt, params) for prompt in prompts]
         seconds = []
         while not all(req.finished for req in reqs):
-            decode_steps = engine.stats.decode_steps
+            decode_steps, decoded = stats.decode_steps, stats.decode_request_steps
+            unfinished = sum(not req.finished for req in reqs)
             start = time.perf_counter()
             engine.step()
-            if engine.stats.decode_steps > decode_steps:
+            if stats.decode_steps > decode_steps:
                 seconds.append(time.perf_counter() - start)
+                if stats.decode_request_steps - decoded != unfinished:
+                    for req in reqs:
+                        engine.abort_req(req)
+                    plan = engine.memory_plan
+                    raise RuntimeError(
+                        f"a decode step ran {stats.decode_request_steps - decoded} of the {unfinished} unfinished "
+                        f"requests of a batch of {len(prompts)}: the engine holds {plan.max_running_requests} request "
+                        f"slots and {plan.num_pages:,} KV pages of {plan.page_size} tokens, too few for it "
+                        "(max_running_requests, memory_budget_bytes or the device's memory)"
+                    )
         return seconds
 
     def memory(self) -> dict[str, int]:
