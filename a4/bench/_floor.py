@@ -1,9 +1,10 @@
 """The floor of a step: what the hardware needs at the least to run it, measured on the machine that runs it.
 
 - Decode is memory-bound: a step reads every weight once and each running request's KV, and reads each request's
-  GDN state and writes it back (the rule updates it in place); its floor is those bytes over the memory bandwidth (a large device-to-device copy, read plus written bytes per second). Of a
-  mixture of experts' routed experts a step reads only those its tokens chose: with routing spread evenly over the
-  E experts (as random weights route), a batch of B tokens choosing k each touches E * (1 - (1 - k / E)^B) of them.
+  GDN state and writes it back (the rule updates it in place); its floor is those bytes over the memory bandwidth
+  (a large device-to-device copy, read plus written bytes per second). Of a mixture of experts' routed experts a
+  step reads only those its tokens chose: with routing spread evenly over the E experts (as random weights route),
+  a batch of B tokens choosing k each touches E * (1 - (1 - k / E)^B) of them.
 - Prefill is compute-bound: a step multiplies every token by every weight outside the embedding (2 FLOP per weight
   per token), of a mixture of experts' routed experts by its k of E; its floor is those FLOP over the machine's
   matrix-multiply rate (one GEMM, timed).
