@@ -220,7 +220,8 @@ def test_notebook_10_states_the_figures_of_its_h200_run():
         f"{eager['wall_ms'] / eager['kernels'] * 1e3:.0f} µs: the launch",
         f"{floor['weight_bytes'] / 1e9:.2f} GB of bf16 weights",
         f"copy rate of {floor['hbm_bytes_per_s'] / 1e12:.2f} TB/s",
-        f"about {floor['decode_floor_ms']['1']:.2f} ms at batch 1, {floor['decode_floor_ms']['128']:.1f} ms at batch 128",
+        f"about {floor['decode_floor_ms']['1']:.2f} ms at batch 1, "
+        f"{floor['decode_floor_ms']['128']:.1f} ms at batch 128",
         f"measured {floor['bf16_flop_per_s'] / 1e12:.0f} TFLOP/s",
         f"2,048 tokens take about {floor['prefill_floor_ms']['2048']:.1f} ms",
         # 2 FLOPs per weight per token, over the prefill floor's time at the GEMM rate.
