@@ -592,10 +592,7 @@ def assemble(parts: dict[str, dict], workload: Workload, meta: dict) -> dict:
             "hbm_bytes_per_s": floor["hbm_bytes_per_s"],
             "bf16_flop_per_s": floor["bf16_flop_per_s"],
             "weight_bytes": model_bytes.weight_bytes,
-            "decode_floor_ms": {
-                str(batch): model_bytes.decode_bytes(batch, workload.decode_context) / floor["hbm_bytes_per_s"] * 1e3
-                for batch in workload.batches
-            },
+            "decode_floor_ms": decode_floor_ms(model_bytes, workload.batches, workload, floor),
             "prefill_floor_ms": {
                 str(n): model_bytes.prefill_flop(n) / floor["bf16_flop_per_s"] * 1e3 for n in workload.prefill_lens
             },
@@ -622,6 +619,12 @@ def assemble(parts: dict[str, dict], workload: Workload, meta: dict) -> dict:
     return report
 
 
+def decode_floor_ms(model_bytes: ModelBytes, batches, workload: Workload, floor: dict) -> dict[str, float]:
+    """The decode floor (ms) at each batch size, keyed as the report keys it: the step's bytes at the copy rate."""
+    bytes_per_ms = floor["hbm_bytes_per_s"] / 1e3
+    return {str(batch): model_bytes.decode_bytes(batch, workload.decode_context) / bytes_per_ms for batch in batches}
+
+
 def with_floors(profiles: list[dict], floors: dict) -> list[dict]:
     """Each step profile with its step's floor_ms, from `floors` (the report's floor, or moe_report's): a prefill's
     by its tokens, a decode step's by its batch (its tokens)."""
@@ -638,10 +641,7 @@ def moe_report(part: dict, floor: dict, workload: Workload) -> dict:
         "weight_bytes": model_bytes.weight_bytes,
         "prefill_ms": part["prefill_ms"],
         "decode_ms": part["decode_ms"],
-        "decode_floor_ms": {
-            batch: model_bytes.decode_bytes(int(batch), workload.decode_context) / floor["hbm_bytes_per_s"] * 1e3
-            for batch in part["decode_ms"]
-        },
+        "decode_floor_ms": decode_floor_ms(model_bytes, map(int, part["decode_ms"]), workload, floor),
         "prefill_floor_ms": {
             n: model_bytes.prefill_flop(int(n)) / floor["bf16_flop_per_s"] * 1e3 for n in part["prefill_ms"]
         },

@@ -9,7 +9,8 @@ had counted it once. A floor is arithmetic on what a run measured (times, the co
 model's bytes, so the committed runs need no new measurement: `engine.json`'s fractions of the floor are recomputed
 from its own times and floor, and `h200_gpu.json`'s decode floors from its own copy rate and the 0.8B model's bytes
 (counted here, on random weights in bfloat16, as the floor part counts them). Each is checked first: the old rule
-must give back the floors the file holds. Both figures are drawn again.
+must give back the floors the file holds (so it runs once: a second run finds the new floors and stops). Both
+figures are drawn again.
 """
 
 import json
@@ -36,6 +37,10 @@ def refloor_engine() -> None:
     workload = engine.Workload(**report["workload"])
     for result in report["results"].values():
         floor = result["floor"]
+        read_once = {**floor, "state_bytes_per_request": floor["state_bytes_per_request"] / 2}
+        for name in engine.SYSTEMS:
+            old = engine.fraction_of_floor(result["tokens_per_s"][name], read_once, workload)
+            assert all(math.isclose(old[step], result["fraction_of_floor"][name][step], rel_tol=1e-9) for step in old)
         fractions = {name: engine.fraction_of_floor(result["tokens_per_s"][name], floor, workload)
                      for name in engine.SYSTEMS}  # fmt: skip
         print(f"engine.json {floor['bytes_per_param'] * 8}-bit:", {
@@ -55,13 +60,9 @@ def refloor_gpu() -> None:
     model_bytes = ModelBytes.of(model, config, gpu.DTYPE)
     floor = report["floor"]
     assert model_bytes.weight_bytes == floor["weight_bytes"], "not the model the report measured"
-    def decode_floor_ms(counted: ModelBytes) -> dict[str, float]:
-        return {str(b): counted.decode_bytes(b, workload.decode_context) / floor["hbm_bytes_per_s"] * 1e3
-                for b in workload.batches}  # fmt: skip
-
-    old = decode_floor_ms(state_read_once(model_bytes))
+    old = gpu.decode_floor_ms(state_read_once(model_bytes), workload.batches, workload, floor)
     assert all(math.isclose(old[b], floor["decode_floor_ms"][b], rel_tol=1e-9) for b in old), "not the file's floors"
-    floor["decode_floor_ms"] = decode_floor_ms(model_bytes)
+    floor["decode_floor_ms"] = gpu.decode_floor_ms(model_bytes, workload.batches, workload, floor)
     print("h200_gpu.json decode floors (ms):", {b: f"{old[b]:.3f} -> {floor['decode_floor_ms'][b]:.3f}" for b in old})
     report["launch_profile"] = gpu.with_floors(report["launch_profile"], floor)
     write_report(REPORT_DIR, "h200_gpu", report, gpu.plot)
