@@ -208,3 +208,20 @@ def test_tensor_parallel_driver_over_nccl_with_one_rank(model):
         assert [req.output_ids for req in reqs] == reference
     finally:
         tp.engine.close()
+
+
+def test_the_default_budget_counts_blocks_the_allocator_keeps_as_free():
+    # Loading the weights leaves freed blocks in torch's caching allocator, which the driver counts as used: the
+    # default budget (a share of the free memory) must count them as free, or the pools lose them.
+    from a4.engine.memory_plan import DEFAULT_DEVICE_MEMORY_FRACTION, MemoryLedger, default_budget_bytes
+
+    device = torch.device("cuda")
+    torch.cuda.empty_cache()
+    free_before, _ = torch.cuda.mem_get_info(device)
+    block = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+    del block
+    assert torch.cuda.mem_get_info(device)[0] < free_before - (1 << 29)  # the allocator kept the block
+    ledger = MemoryLedger(kv_bytes_per_token=1024, table_bytes_per_slot=8)
+    # Full contexts of 2^40 tokens: more than any GPU holds, so the budget is the share of what is free.
+    budget = default_budget_bytes(ledger, max_running_requests=1, max_context_len=1 << 40, device=device)
+    assert budget >= (free_before - (64 << 20)) * DEFAULT_DEVICE_MEMORY_FRACTION

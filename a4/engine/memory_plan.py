@@ -250,6 +250,10 @@ def default_budget_bytes(
     state checkpoints, capped by what the device can spare."""
     wanted = checkpoint_bytes + max_running_requests * ledger.bytes_per_request(max_context_len)
     if device.type == "cuda":
+        # The driver counts as used what torch's caching allocator keeps of the blocks freed while the weights were
+        # loaded (each random tensor drawn in float32, the projections merged from their parts). Give them back
+        # first, as SGLang does, so that they count as free.
+        torch.cuda.empty_cache()
         free_bytes, _ = torch.cuda.mem_get_info(device)
         return min(wanted, int(free_bytes * DEFAULT_DEVICE_MEMORY_FRACTION))
     return min(wanted, DEFAULT_CPU_BUDGET_BYTES)
