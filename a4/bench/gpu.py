@@ -287,7 +287,8 @@ def measure_moe(workload: Workload, device: torch.device) -> dict:
         model_dir, DTYPE_NAME, max_prefill_tokens=MAX_PREFILL_TOKENS, device=device,
         max_running_requests=max(workload.moe_batches), cuda_graphs=True, load_format="dummy",
     )  # fmt: skip
-    print(f"moe part: the {workload.moe_preset} engine built in {time.perf_counter() - start:.0f} s", flush=True)
+    print(f"moe part: the {workload.moe_preset} engine built in {time.perf_counter() - start:.0f} s, its memory plan:\n"
+          f"{runner.llm.engine.memory_plan.describe()}", flush=True)  # fmt: skip
     config = load_model_config(model_dir)
     result = time_runner(runner, config, workload, workload.moe_batches, device, profile=device.type == "cuda")
     return {**result, "preset": workload.moe_preset,
