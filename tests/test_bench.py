@@ -137,6 +137,43 @@ def test_moe_floor_counts_only_the_chosen_experts():
     assert dense.decode_bytes(2, context=0) == 10**9 and dense.prefill_flop(10) == 10 * 2 * 4e8
 
 
+def test_floors_leave_out_an_untied_embedding_and_take_the_longer_of_flop_and_bytes():
+    from a4.bench._floor import ModelBytes
+
+    # 1e9 bytes of weights, of which an untied embedding 1e8 (a decode step reads a row per token of it) and routed
+    # experts 8e8 (4 experts, 1 per token).
+    model = ModelBytes(weight_bytes=10**9, non_embedding_params=4 * 10**8, state_bytes_per_request=0,
+                       kv_bytes_per_token=0, routed_expert_params=2 * 10**8, num_experts=4, experts_per_token=1,
+                       bytes_per_param=4, untied_embedding_bytes=10**8)  # fmt: skip
+    # By hand: one token reads 1e9 - 1e8 - 3/4 * 8e8 = 3e8 bytes.
+    assert model.decode_bytes(1, context=0) == pytest.approx(3e8)
+    # A prefill of 10 tokens: 10 * 2 * 2.5e8 = 5e9 FLOP, 5 s at 1e9 FLOP/s but 0.05 s at 1e11; its 10 tokens leave
+    # each expert unread with probability (3/4)^10, so it reads 1e9 - 1e8 - 8e8 * 0.75^10 bytes: at 1e9 B/s, ~0.855 s.
+    read = (10**9 - 10**8 - 8e8 * 0.75**10) / 1e9
+    assert model.prefill_floor_seconds(10, flop_per_s=1e9, bytes_per_s=1e9) == pytest.approx(5.0)
+    assert model.prefill_floor_seconds(10, flop_per_s=1e11, bytes_per_s=1e9) == pytest.approx(read)
+    # Reports written before the field: ModelBytes.from_dict takes it as 0.
+    fields = {name: getattr(model, name) for name in ModelBytes.__dataclass_fields__} | {"unrelated": 1}
+    assert ModelBytes.from_dict(fields) == model
+    del fields["untied_embedding_bytes"]
+    assert ModelBytes.from_dict(fields).untied_embedding_bytes == 0
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_5"])
+def test_model_bytes_knows_a_tied_embedding_from_an_untied_one(arch):
+    from a4.bench._floor import ModelBytes
+    from a4.checkpoints import tiny_checkpoint
+    from a4.models.registry import load_model
+
+    config, model, _ = load_model(tiny_checkpoint(arch), dtype=torch.float32, device="cpu", progress=False)
+    embedding = model.model.embed_tokens.weight
+    tied = model.lm_head.weight is embedding
+    assert tied == config.tie_word_embeddings  # the tiny Qwen3's is untied, the tiny Qwen3.5's tied
+    model_bytes = ModelBytes.of(model, config, torch.float32)
+    assert model_bytes.weight_bytes == sum(p.nbytes for p in {id(p): p for p in model.parameters()}.values())
+    assert model_bytes.untied_embedding_bytes == (0 if tied else embedding.nbytes)
+
+
 def test_spec_report_is_complete_and_consistent(tmp_path, capsys):
     spec.main(quick=True, out_dir=tmp_path)
     printed = capsys.readouterr().out

@@ -4,10 +4,14 @@
   GDN state and writes it back (the rule updates it in place); its floor is those bytes over the memory bandwidth
   (a large device-to-device copy, read plus written bytes per second). Of a mixture of experts' routed experts a
   step reads only those its tokens chose: with routing spread evenly over the E experts (as random weights route),
-  a batch of B tokens choosing k each touches E * (1 - (1 - k / E)^B) of them.
+  a batch of B tokens choosing k each touches E * (1 - (1 - k / E)^B) of them. Of an input embedding that is not
+  also the lm_head (untied) it reads one row per token, a few KB: not counted.
 - Prefill is compute-bound: a step multiplies every token by every weight outside the embedding (2 FLOP per weight
   per token), of a mixture of experts' routed experts by its k of E; its floor is those FLOP over the machine's
-  matrix-multiply rate (one GEMM, timed).
+  matrix-multiply rate (one GEMM, timed). Unless reading the weights takes longer: a prompt of a few hundred tokens
+  touches nearly every routed expert of a mixture of experts (the 35B-A3B's 64 GB), while its FLOP are those of the
+  k experts per token. The floor is then the weights it reads at the bandwidth (`prefill_bytes`), the longer of the
+  two (the roofline's).
 
 A step's fraction of its floor is floor time / measured time: 1.0 means the hardware ran flat out. Underscored: not
 a benchmark of its own (see `_timing`).
@@ -39,6 +43,13 @@ class ModelBytes:
     num_experts: int
     experts_per_token: int
     bytes_per_param: int
+    # The input embedding's bytes where the lm_head has weights of its own (0 where tied: the lm_head reads it all).
+    untied_embedding_bytes: int = 0
+
+    @staticmethod
+    def from_dict(fields: dict) -> ModelBytes:
+        """From a report's dict holding these fields among others (runs before the last field had it: 0)."""
+        return ModelBytes(**{name: fields[name] for name in ModelBytes.__dataclass_fields__ if name in fields})
 
     @staticmethod
     def of(model: torch.nn.Module, config: ModelConfig, dtype: torch.dtype) -> ModelBytes:
@@ -59,6 +70,10 @@ class ModelBytes:
             num_experts=config.num_experts if config.is_moe else 0,
             experts_per_token=config.num_experts_per_tok if config.is_moe else 0,
             bytes_per_param=dtype.itemsize,
+            # named_parameters() gives a tied lm_head once, under the embedding's name: both names means untied.
+            untied_embedding_bytes=sum(p.nbytes for name, p in params.items() if "embed_tokens" in name)
+            if any("lm_head" in name for name in params)
+            else 0,
         )
 
     def unused_expert_params(self, tokens: int) -> float:
@@ -69,10 +84,20 @@ class ModelBytes:
         return self.routed_expert_params * (1 - self.experts_per_token / self.num_experts) ** tokens
 
     def decode_bytes(self, batch: int, context: float) -> float:
-        """Bytes one decode step moves at least: the weights (of the routed experts, the share a batch of this many
-        tokens chooses), each request's state read and written back, and the KV of its context read."""
-        weights = self.weight_bytes - self.unused_expert_params(batch) * self.bytes_per_param
-        return weights + batch * (2 * self.state_bytes_per_request + self.kv_bytes_per_token * context)
+        """Bytes one decode step moves at least: the weights it reads (`weights_read`), each request's state read and
+        written back, and the KV of its context read."""
+        per_request = 2 * self.state_bytes_per_request + self.kv_bytes_per_token * context
+        return self.weights_read(batch) + batch * per_request
+
+    def weights_read(self, tokens: int) -> float:
+        """Weight bytes a step of `tokens` tokens reads: all but an untied embedding (a row a token) and the routed
+        experts none of its tokens chose."""
+        unused = self.untied_embedding_bytes + self.unused_expert_params(tokens) * self.bytes_per_param
+        return self.weight_bytes - unused
+
+    def prefill_floor_seconds(self, tokens: int, flop_per_s: float, bytes_per_s: float) -> float:
+        """A prefill's floor: its weight GEMMs at the GEMM rate or the weights it reads at the bandwidth, the longer."""
+        return max(self.prefill_flop(tokens) / flop_per_s, self.weights_read(tokens) / bytes_per_s)
 
     def prefill_flop(self, tokens: int) -> float:
         """FLOP of a prefill's weight GEMMs (attention's own work, which grows with the square of the prompt, aside);

@@ -302,7 +302,7 @@ def fraction_of_floor(tokens_per_s: dict[str, float], floor: dict, workload: Wor
     Prefill: its weight GEMMs at the GEMM rate. Decode: its bytes (context: the mean over the timed steps) at the
     copy bandwidth.
     """
-    model = ModelBytes(**{name: floor[name] for name in ModelBytes.__dataclass_fields__})
+    model = ModelBytes.from_dict(floor)
     prefill_seconds = workload.prefill_len / tokens_per_s["prefill"]
     fractions = {"prefill": model.prefill_flop(workload.prefill_len) / floor["gemm_flop_per_s"] / prefill_seconds}
     for label, lens in (("decode batch 1", (workload.decode_len,)), ("decode batch 8", workload.batch_lens)):

@@ -31,15 +31,16 @@ its calls is captured in a CUDA graph where it can be (the figure is then the GP
 eagerly where it cannot; it is timed with CUDA events over 10 calls back to back.
 
 The floor of each time: decode, the bytes a step moves (the weights, each request's GDN state read and written back,
-and the KV of its context, taken as the mean over the timed steps; of a mixture of experts' routed experts only those
-the batch's tokens choose, `ModelBytes.decode_bytes`) at the copy bandwidth; prefill, its weight GEMMs
-(2 x non-embedding parameters x tokens) at the GEMM rate. The table gives the times, a4's speedup over each other
-system and the floor as a fraction of each time. Written to --out (default solutions/report/): <gpu>_gpu.json (the
-schema notebook 10 reads) and <gpu>_gpu.png, <gpu> from the device's name (h200); `--quick` (tiny shapes, a few
-steps) writes <gpu>_gpu_quick.*. `--parts-dir DIR` keeps each part's JSON in DIR and reuses those already there, so
-that a run longer than one lease of a GPU can go on in the next. The report's meta names the commit measured: HEAD,
-marked "+changes" when tracked files differ from it, or `--commit HASH` where the tree's .git is not its own history
-(a copy of the tree sent to a lent GPU, whose .git may be older than the code).
+and the KV of its context, taken as the mean over the timed steps; of a mixture of experts' routed experts only
+those the batch's tokens choose, `ModelBytes.decode_bytes`) at the copy bandwidth; prefill, its weight GEMMs (2 x
+non-embedding parameters x tokens) at the GEMM rate, or the weights it reads at the copy bandwidth where that takes
+longer (a mixture of experts' prompt reads nearly every routed expert). The table gives the times, a4's speedup over
+each other system and the floor as a fraction of each time. Written to --out (default solutions/report/):
+<gpu>_gpu.json (the schema notebook 10 reads) and <gpu>_gpu.png, <gpu> from the device's name (h200); `--quick`
+(tiny shapes, a few steps) writes <gpu>_gpu_quick.*. `--parts-dir DIR` keeps each part's JSON in DIR and reuses
+those already there, so that a run longer than one lease of a GPU can go on in the next. The report's meta names the
+commit measured: HEAD, marked "+changes" when tracked files differ from it, or `--commit HASH` where the tree's .git
+is not its own history (a copy of the tree sent to a lent GPU, whose .git may be older than the code).
 
     python -m a4 bench gpu [--quick] [--out DIR] [--parts-dir DIR] [--commit HASH]
 """
@@ -586,7 +587,7 @@ def device_slug(device: str) -> str:
 def assemble(parts: dict[str, dict], workload: Workload, meta: dict) -> dict:
     """The report (the JSON notebook 10 reads) from the parts' results; systems that did not run are left out."""
     floor = parts["floor"]
-    model_bytes = ModelBytes(**{name: floor[name] for name in ModelBytes.__dataclass_fields__})
+    model_bytes = ModelBytes.from_dict(floor)
     report = {
         "meta": meta,
         "floor": {
@@ -594,9 +595,7 @@ def assemble(parts: dict[str, dict], workload: Workload, meta: dict) -> dict:
             "bf16_flop_per_s": floor["bf16_flop_per_s"],
             "weight_bytes": model_bytes.weight_bytes,
             "decode_floor_ms": decode_floor_ms(model_bytes, workload.batches, workload, floor),
-            "prefill_floor_ms": {
-                str(n): model_bytes.prefill_flop(n) / floor["bf16_flop_per_s"] * 1e3 for n in workload.prefill_lens
-            },
+            "prefill_floor_ms": prefill_floor_ms(model_bytes, workload.prefill_lens, floor),
         },
         "systems": {
             name: {"prefill_ms": parts[name]["prefill_ms"], "decode_ms": parts[name]["decode_ms"]}
@@ -626,6 +625,13 @@ def decode_floor_ms(model_bytes: ModelBytes, batches, workload: Workload, floor:
     return {str(batch): model_bytes.decode_bytes(batch, workload.decode_context) / bytes_per_ms for batch in batches}
 
 
+def prefill_floor_ms(model_bytes: ModelBytes, prompt_lens, floor: dict) -> dict[str, float]:
+    """The prefill floor (ms) of each prompt length, keyed as the report keys it: its GEMMs at the GEMM rate, or
+    the weights it reads at the copy rate where that is longer (`ModelBytes.prefill_floor_seconds`)."""
+    rates = floor["bf16_flop_per_s"], floor["hbm_bytes_per_s"]
+    return {str(n): model_bytes.prefill_floor_seconds(int(n), *rates) * 1e3 for n in prompt_lens}
+
+
 def with_floors(profiles: list[dict], floors: dict) -> list[dict]:
     """Each step profile with its step's floor_ms, from `floors` (the report's floor, or moe_report's): a prefill's
     by its tokens, a decode step's by its batch (its tokens)."""
@@ -636,16 +642,14 @@ def with_floors(profiles: list[dict], floors: dict) -> list[dict]:
 
 def moe_report(part: dict, floor: dict, workload: Workload) -> dict:
     """The moe part's times beside their floors, from the floor part's bandwidth and GEMM rate."""
-    model_bytes = ModelBytes(**part["model_bytes"])
+    model_bytes = ModelBytes.from_dict(part["model_bytes"])
     report = {
         "preset": part["preset"],
         "weight_bytes": model_bytes.weight_bytes,
         "prefill_ms": part["prefill_ms"],
         "decode_ms": part["decode_ms"],
         "decode_floor_ms": decode_floor_ms(model_bytes, map(int, part["decode_ms"]), workload, floor),
-        "prefill_floor_ms": {
-            n: model_bytes.prefill_flop(int(n)) / floor["bf16_flop_per_s"] * 1e3 for n in part["prefill_ms"]
-        },
+        "prefill_floor_ms": prefill_floor_ms(model_bytes, part["prefill_ms"], floor),
     }
     report["launch_profile"] = with_floors(part.get("launch_profile", []), report)
     return report
@@ -774,7 +778,7 @@ def draw(report: dict, axes) -> None:
     lens = list(floor["prefill_floor_ms"])
     width = 0.8 / (len(systems) + 1)
     for i, (name, values) in enumerate([*((n, t["prefill_ms"]) for n, t in systems.items()),
-                                        ("floor (GEMM FLOP / rate)", floor["prefill_floor_ms"])]):  # fmt: skip
+                                        ("floor (GEMM FLOP or weight bytes)", floor["prefill_floor_ms"])]):  # fmt: skip
         prefill_ax.bar([j + i * width for j in range(len(lens))], [values[n] for n in lens], width, label=name)
     prefill_ax.set_xticks([j + 0.4 - width / 2 for j in range(len(lens))], [f"{n} tokens" for n in lens])
     prefill_ax.set(yscale="log", ylabel="ms per prefill")
