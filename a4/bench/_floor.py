@@ -10,7 +10,7 @@
   per token), of a mixture of experts' routed experts by its k of E; its floor is those FLOP over the machine's
   matrix-multiply rate (one GEMM, timed). Unless reading the weights takes longer: a prompt of a few hundred tokens
   touches nearly every routed expert of a mixture of experts (the 35B-A3B's 64 GB), while its FLOP are those of the
-  k experts per token. The floor is then the weights it reads at the bandwidth (`prefill_bytes`), the longer of the
+  k experts per token. The floor is then the weights it reads at the bandwidth (`weights_read`), the longer of the
   two (the roofline's).
 
 A step's fraction of its floor is floor time / measured time: 1.0 means the hardware ran flat out. Underscored: not
