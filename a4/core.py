@@ -75,8 +75,9 @@ class Req:
     sampling_params: SamplingParams
     # The request's slot: its row of the request-slot table (req_to_token) and of the state pool; None until admitted.
     slot: int | None = None
-    # Tokens already fed and held: their KV is in the KV pool and the state (hybrid models) is after them. ("Cached"
-    # is kept for the prefix cache: `prefix_hit_len` of these came from it, reported as Output.cached_tokens.)
+    # Tokens fed to the model: their KV is in the KV pool and the state (hybrid models) is after them once the steps
+    # launched so far have run. The scheduler advances it when it launches a step (a verify step: when it is booked,
+    # by the tokens kept). ("Cached" is kept for the prefix cache: `prefix_hit_len` of these came from it.)
     computed_len: int = 0
     # Positions [0, kv_allocated_len) have KV locations in the request's row, on whole pages. A step allocates before
     # its forward, so this runs ahead of computed_len until the step is booked: what an aborted request gives back.
@@ -84,6 +85,9 @@ class Req:
     # Prompt tokens that came from the prefix cache (reported in Output.cached_tokens).
     prefix_hit_len: int = 0
     output_ids: list[int] = field(default_factory=list)
+    # Tokens sampled by launched steps that are not booked yet (in output_ids): with overlap scheduling, the step in
+    # flight's; they are on the device (ModelRunner.last_tokens), where the next decode step reads them.
+    tokens_in_flight: int = 0
     cache_handle: object | None = None
     finished: bool = False
     # Why it finished: "eos", "length", "error" (then `error` says what is wrong) or "abort" (an exception stopped
@@ -104,7 +108,12 @@ class Req:
     @property
     def device_len(self) -> int:
         """Tokens whose KV (or state) the engine will hold once the next forward has run."""
-        return len(self.all_ids)
+        return len(self.input_ids) + len(self.output_ids) + self.tokens_in_flight
+
+    @property
+    def num_sampled(self) -> int:
+        """Output tokens sampled so far, booked or in flight."""
+        return len(self.output_ids) + self.tokens_in_flight
 
     @property
     def extend_len(self) -> int:
@@ -114,14 +123,25 @@ class Req:
 
 @dataclass
 class Batch:
-    """The requests of one scheduler step. A step is all prefill or all decode, never mixed (as in mini-sglang)."""
+    """The requests of one scheduler step, and what kind of step it is (the scheduler decides, in one place):
+    "prefill" (prompts and chunks of prompts), "decode" (every running request's next token, or its last token and
+    drafts), or "mixed" (`EngineConfig.enable_mixed_chunk`: prefill chunks, then every running request's next
+    token, in one forward, as SGLang's mixed chunk and vLLM V1's chunked prefill)."""
 
     reqs: list[Req]
-    phase: Literal["prefill", "decode"]
+    phase: Literal["prefill", "decode", "mixed"]
     # Tokens each request feeds this step; smaller than Req.extend_len for a chunk of a chunked prefill.
     extend_lens: list[int]
     # Whether each request samples a token at the end of this step (False for a chunk that is not the last).
     sample: list[bool]
+    # Tokens of each request in the pools before this step: where its new tokens start (set by the scheduler).
+    prefix_lens: list[int] = field(default_factory=list)
+
+    @property
+    def decode_rows(self) -> list[bool]:
+        """Per request, whether it feeds its last sampled token (and drafts) rather than prompt tokens: every
+        request of a decode step, the requests after the prefill chunks of a mixed step."""
+        return [prefix_len >= len(req.input_ids) for req, prefix_len in zip(self.reqs, self.prefix_lens)]
 
 
 class ForwardMode(enum.Enum):
@@ -196,6 +216,14 @@ class ForwardBatch:
     # What the backends' `prepare` computed for this step, shared by every layer of its kind.
     attn_metadata: object = None
     gdn_metadata: object = None
+    # [B] int64: the state-pool row each request's Gated DeltaNet layers read and update; `slots` unless set. Under
+    # overlap scheduling a request whose EOS is booked only after this step was launched runs on a padding row here,
+    # so that its state stays the state its prefix-cache checkpoint needs (a4/engine/model_runner.py).
+    state_slots: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.state_slots is None:
+            self.state_slots = self.slots
 
     @property
     def batch_size(self) -> int:

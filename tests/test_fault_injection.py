@@ -215,10 +215,11 @@ def test_interrupted_step_aborts_only_its_batch(tiny_qwen3_5, monkeypatch):
     llm = build(tiny_qwen3_5)
     engine = llm.engine
     params = SamplingParams(max_new_tokens=MAX_NEW)
-    # One slot's worth of prefill budget per step: the first step takes PROMPTS[0]'s first chunk only.
+    # One slot's worth of prefill budget per step: the first step takes PROMPTS[0]'s first chunk only (and samples
+    # nothing: its forward is interrupted).
     first, second = (engine.add_request(prompt, params) for prompt in PROMPTS[:2])
     with monkeypatch.context() as patch:
-        Interrupt(patch, engine.sampler, "sample", at=1)
+        Interrupt(patch, engine.runner, "forward", at=1)
         with pytest.raises(KeyboardInterrupt):
             while True:
                 engine.step()
@@ -276,8 +277,8 @@ def test_non_finite_logits_fail_one_request_alone(request, monkeypatch, arch):
 
 
 def test_sampler_flags_exactly_the_rows_that_are_not_finite():
-    """The sampler's check (one sum per row, then element by element where the sum is not finite) against
-    isfinite() of every element: a NaN, an infinity of either sign, and finite rows whose sums overflow to +-inf."""
+    """The sampler's check (each row's minimum and maximum) against isfinite() of every element: a NaN, an infinity of
+    either sign, and finite rows whose sums would overflow to +-inf."""
     from a4.engine.sampling import Sampler, logits_errors
 
     logits = torch.randn(7, 50)
@@ -289,7 +290,7 @@ def test_sampler_flags_exactly_the_rows_that_are_not_finite():
     logits[6, :2] = torch.tensor([3e38, float("-inf")])
     expected = [bool(row.isfinite().all()) for row in logits]
     reqs = [Req(uid=i, input_ids=[1], sampling_params=SamplingParams()) for i in range(len(logits))]
-    samples = Sampler(torch.device("cpu")).sample(logits, reqs)
+    samples = Sampler(torch.device("cpu")).sample(logits, reqs).result()
     assert [sample.error is None for sample in samples] == expected == [True, False, False, False, True, True, False]
     assert [sample.token for sample in samples if sample.error is None] == [int(logits[i].argmax()) for i in (0, 4, 5)]
     assert [error is None for error in logits_errors(logits[:, None])] == expected

@@ -99,8 +99,8 @@ class FakeEngine:
         batch = self.scheduler.schedule_next_batch()
         assert batch is not None, "stalled with unfinished requests"
         tokens = []
-        for req, extend_len, sampled in zip(batch.reqs, batch.extend_lens, batch.sample):
-            slot, start, end = req.slot, req.computed_len, req.computed_len + extend_len
+        for req, prefix_len, extend_len, sampled in zip(batch.reqs, batch.prefix_lens, batch.extend_lens, batch.sample):
+            slot, start, end = req.slot, prefix_len, prefix_len + extend_len
             row = self.table.read(slot, 0, end).tolist()
             for pos in range(start):
                 assert self.kv[row[pos]] == tuple(req.all_ids[: pos + 1]), f"req {req.uid}: KV of position {pos}"
@@ -119,6 +119,7 @@ class FakeEngine:
             for req in batch.reqs:
                 self.scheduler.abort_req(req)
             raise KeyboardInterrupt
+        self.scheduler.cache_prefill(batch)
         self.scheduler.process_batch_output(batch, tokens)
         self.check_memory()
 

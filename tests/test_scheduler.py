@@ -66,13 +66,14 @@ class FakeModelRun:
         assert batch is not None, "stalled with unfinished requests"
         self.batches.append(batch)
         tokens = []
-        for req, extend_len, sampled in zip(batch.reqs, batch.extend_lens, batch.sample):
+        for req, prefix_len, extend_len, sampled in zip(batch.reqs, batch.prefix_lens, batch.extend_lens, batch.sample):
             row = self.table.req_to_token[req.slot]
-            for pos in range(req.computed_len):
+            for pos in range(prefix_len):
                 assert self.pool[int(row[pos])] == tuple(req.all_ids[: pos + 1]), f"req {req.uid} pos {pos}"
-            for pos in range(req.computed_len, req.computed_len + extend_len):
+            for pos in range(prefix_len, prefix_len + extend_len):
                 self.pool[int(row[pos])] = tuple(req.all_ids[: pos + 1])
-            tokens.append(next_token(req.all_ids[: req.computed_len + extend_len]) if sampled else None)
+            tokens.append(next_token(req.all_ids[: prefix_len + extend_len]) if sampled else None)
+        self.scheduler.cache_prefill(batch)
         return self.scheduler.process_batch_output(batch, tokens)
 
     def run(self, reqs: list[Req]) -> None:

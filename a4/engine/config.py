@@ -53,6 +53,15 @@ class EngineConfig:
     # random weights drawn on the device from config.json alone (a4.checkpoints' tensor plan; the MTP module's too),
     # for benchmarks of models whose checkpoint the disk cannot hold. model_dir then needs no weight files.
     load_format: str = "safetensors"
+    # Overlap scheduling (engine.py): the host schedules step n + 1 and books step n - 1 while the device runs step n.
+    # None: on where the device runs asynchronously to the host (CUDA), off on the CPU, where nothing would overlap;
+    # True on the CPU runs the same path synchronously (CI tests it). Not with speculative decoding, whose steps are
+    # booked before the next is scheduled.
+    overlap_schedule: bool | None = None
+    # Mixed steps (scheduler.py): a step with prefill work also carries every running request's next token, under
+    # the same max_prefill_tokens budget, so that prompts no longer stop the decodes (SGLang's --enable-mixed-chunk,
+    # vLLM V1's chunked prefill). Not with speculative decoding, whose decode steps are verify passes.
+    enable_mixed_chunk: bool = False
 
     def __post_init__(self) -> None:
         if not Path(self.model_dir).is_dir():
@@ -92,10 +101,18 @@ class EngineConfig:
                 "state_fraction cannot be combined with speculative_tokens: notebook 06's plan_hybrid_memory does not "
                 "count the verify states and the draft's KV; leave state_fraction=None (slots first)"
             )
-        for name in ("cuda_graphs", "merge_projections"):
+        for name in ("cuda_graphs", "merge_projections", "overlap_schedule"):
             value = getattr(self, name)
             if not (value is None or isinstance(value, bool)):
                 raise ValueError(f"{name} must be True, False or None, got {value!r}")
+        if not isinstance(self.enable_mixed_chunk, bool):
+            raise ValueError(f"enable_mixed_chunk must be True or False, got {self.enable_mixed_chunk!r}")
+        for name in ("overlap_schedule", "enable_mixed_chunk"):
+            if self.speculative_tokens and getattr(self, name):
+                raise ValueError(
+                    f"{name}=True cannot be combined with speculative_tokens={self.speculative_tokens}: a verify step is "
+                    f"booked before the next step is scheduled, and its decode steps cannot mix; leave {name} unset"
+                )
         self._check_tensor_parallel()
 
     def _check_tensor_parallel(self) -> None:
@@ -120,6 +137,13 @@ class EngineConfig:
                 f"cuda_graphs=True cannot be combined with tensor_parallel_size {size} on CUDA: decode steps run over "
                 "the static buffers uncaptured; leave cuda_graphs=None or False"
             )
+
+    @property
+    def overlap(self) -> bool:
+        """Whether the engine overlaps scheduling with the device's work (`overlap_schedule` resolved)."""
+        if self.overlap_schedule is not None:
+            return self.overlap_schedule
+        return self.torch_device.type == "cuda" and not self.speculative_tokens
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -2,10 +2,17 @@
 
 `Engine(config)` loads the checkpoint and builds the model runner (model_runner.py: the model, the memory plan, the
 request slots, the KV pool and the state pool, the backends), the scheduler and the worker that turns a batch into
-tokens (worker.py, or a4/speculative/worker.py with `speculative_tokens=k`). One step:
+tokens (worker.py, or a4/speculative/worker.py with `speculative_tokens=k`). One step, one way:
 
-    request --> Scheduler.schedule_next_batch --> Batch --> worker --> ModelRunner.forward --> ForwardBatch --> model
-            --> layers --> backends --> KV pool / state pool;  logits --> sampler --> Scheduler.process_batch_output
+    Scheduler.schedule_next_batch --> Batch --> worker.launch --> ModelRunner.forward --> ForwardBatch --> model
+        --> layers --> backends --> KV pool / state pool;  logits --> Sampler (on the device) --> LaunchedStep
+    Scheduler.cache_prefill (what the prompts wrote, to the prefix cache)
+    LaunchedStep.result --> Scheduler.process_batch_output (tokens booked, finishes)
+
+With overlap scheduling (`EngineConfig.overlap_schedule`, on for CUDA) a step books the step launched before it, not
+its own, so the host schedules step n + 1 and books step n - 1 while the device runs step n (mini-sglang's
+`overlap_loop`, SGLang's `event_loop_overlap`): its decode tokens come from the device, and a finish is seen one step
+late (scheduler.py).
 
 `add_request` validates a request first: a bad one finishes at once with finish_reason "error" and never reaches the
 model. A step that raises (an interrupted cell, a failing layer) aborts the requests it was running and leaves the
@@ -33,7 +40,7 @@ from a4.engine.model_runner import ModelRunner
 from a4.engine.sampling import Sampler
 from a4.engine.stats import EngineStats
 from a4.engine.validation import check_sampling_params, prompt_error
-from a4.engine.worker import ModelWorker, StepResult
+from a4.engine.worker import LaunchedStep, ModelWorker
 from a4.kvcache.radix_cache import NoPrefixCache
 from a4.models.registry import load_model
 from a4.scheduler.cache import CacheManager
@@ -94,6 +101,7 @@ class Engine:
             max_prefill_tokens=config.max_prefill_tokens,
             eos_token_ids=self.model_config.eos_token_ids,
             decode_tokens_per_step=runner.tokens_per_decode,
+            enable_mixed_chunk=config.enable_mixed_chunk,
         )
         self.sampler = Sampler(runner.device)
         if config.speculative_tokens:
@@ -109,6 +117,8 @@ class Engine:
         self._owner: threading.Thread | None = None  # the thread inside a call, while one runs
         self._in_step = False
         self._deferred_aborts: list[tuple[Req, str | None]] = []
+        # Overlap scheduling: the step launched by the last call, booked by the next one.
+        self._in_flight: LaunchedStep | None = None
 
     def close(self) -> None:
         """Stop a tensor-parallel engine's worker processes (nothing to do for one process); safe to call twice."""
@@ -183,29 +193,38 @@ class Engine:
 
     @property
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_reqs
+        """Whether a step has work: a request to run, or (overlap scheduling) a launched step to book."""
+        return self.scheduler.has_unfinished_reqs or self._in_flight is not None
 
     @torch.inference_mode()
     def step(self) -> list[Req]:
         """Run one scheduler step; returns the requests that finished in it.
 
-        An exception escaping the step (KeyboardInterrupt included: a student interrupting a cell) aborts the
-        requests of its batch before it propagates: their states and KV may be half-advanced, so they can neither
-        resume nor be cached (`Scheduler.abort_req`). The engine is then as if they had never been submitted.
+        Schedules and launches a batch, then books a launched one: this one, or under overlap scheduling the one the
+        last call launched (a call with nothing new to launch books it too, so that stepping until no request is
+        unfinished drains the engine). An exception escaping the step (KeyboardInterrupt included: a student
+        interrupting a cell) aborts the requests of every batch not yet booked before it propagates: their states
+        and KV may be half-advanced, so they can neither resume nor be cached (`Scheduler.abort_req`). The engine is
+        then as if they had never been submitted.
         """
         with self.serving():
-            batch = self.scheduler.schedule_next_batch()
-            if batch is None:
-                if self.scheduler.has_unfinished_reqs:
+            in_flight, self._in_flight = self._in_flight, None
+            start, self._in_step = time.perf_counter(), True
+            batch = launched = None
+            try:
+                batch = self.scheduler.schedule_next_batch()
+                if batch is None and in_flight is None and self.scheduler.has_unfinished_reqs:
                     # Admission reserves for the worst case and max_context_len fits the pool, so an idle engine can
                     # always admit the first waiting request: getting here means the bookkeeping is broken.
                     raise RuntimeError("the scheduler has unfinished requests but can run none of them")
-                return []
-            start, self._in_step = time.perf_counter(), True
-            try:
-                result = self.worker.run_batch(batch, lambda tokens, errors: self._book(batch, tokens, errors))
+                if batch is not None:
+                    launched = self.worker.launch(batch)
+                    self.scheduler.cache_prefill(batch)
+                keep = launched if self.config.overlap else None
+                booked = [step for step in (in_flight, launched) if step is not None and step is not keep]
+                finished = [req for step in booked for req in self._book(step)]
             except BaseException as e:
-                for req in batch.reqs:
+                for req in [*(in_flight.batch.reqs if in_flight else []), *(batch.reqs if batch else [])]:
                     error = f"the step running this request raised {type(e).__name__}: {e}"
                     self.scheduler.abort_req(req, "abort", error)
                     self.sampler.remove_req(req)
@@ -213,8 +232,9 @@ class Engine:
             finally:
                 self._in_step = False
                 aborts, self._deferred_aborts = self._deferred_aborts, []
-            self._record(batch, time.perf_counter() - start, result)
-            finished = result.finished
+            self._in_flight = keep
+            self._record(batch if batch is not None else in_flight.batch if in_flight else None,
+                         time.perf_counter() - start)  # fmt: skip
             for req, error in aborts:
                 if not req.finished:
                     self.abort_req(req, error)
@@ -224,11 +244,15 @@ class Engine:
     def _prompt_error(self, input_ids: list[int]) -> str | None:
         return prompt_error(input_ids, self.model_config, self.max_context_len, self.memory_plan.num_tokens)
 
-    def _book(self, batch: Batch, next_tokens: list, errors: list[str | None]) -> list[Req]:
-        finished = self.scheduler.process_batch_output(batch, next_tokens, errors)
+    def _book(self, step: LaunchedStep) -> list[Req]:
+        """Book a launched step with the scheduler: its tokens, its finishes."""
+        next_tokens, errors = step.result()
+        finished = self.scheduler.process_batch_output(step.batch, next_tokens, errors)
+        self.worker.booked(step)
         for req in finished:
             self.sampler.remove_req(req)
             self.stats.cached_tokens += req.prefix_hit_len
+        self._count(step, next_tokens)
         return finished
 
     def abort_req(self, req: Req, error: str | None = None) -> None:
@@ -243,20 +267,31 @@ class Engine:
                 self.scheduler.abort_req(req, "abort", error)
                 self.sampler.remove_req(req)
 
-    def _record(self, batch: Batch, seconds: float, result: StepResult) -> None:
-        """Count the step: a decode step's requests may gain more than one token each (drafts)."""
-        stats = self.stats
-        if batch.phase == "prefill":
-            stats.prefill_steps += 1
-            stats.prefill_tokens += sum(batch.extend_lens)
-            stats.prefill_seconds += seconds
-        else:
+    def _record(self, batch: Batch | None, seconds: float) -> None:
+        """Count a step call's wall time, as the kind of step it launched (or booked, launching none)."""
+        if batch is not None:
+            stats = self.stats
+            if batch.phase == "decode":
+                stats.decode_seconds += seconds
+            else:
+                stats.prefill_seconds += seconds
+
+    def _count(self, step: LaunchedStep, next_tokens: list) -> None:
+        """Count a booked step: a decode step's requests may gain more than one token each (drafts); a mixed step
+        counts as a prefill step, its decoding requests' tokens apart."""
+        stats, batch = self.stats, step.batch
+        if batch.phase == "decode":
             stats.decode_steps += 1
             stats.decode_request_steps += len(batch.reqs)
-            stats.decode_tokens += result.decode_tokens
-            stats.decode_seconds += seconds
-        stats.draft_tokens += result.draft_tokens
-        stats.accepted_draft_tokens += result.accepted_draft_tokens
+            stats.decode_tokens += sum(len(t) if isinstance(t, list) else 1 for t in next_tokens)
+        else:
+            prompts = [n for n, decode in zip(batch.extend_lens, batch.decode_rows) if not decode]
+            stats.prefill_steps += 1
+            stats.prefill_tokens += sum(prompts)
+            stats.mixed_steps += batch.phase == "mixed"
+            stats.mixed_decode_tokens += len(batch.reqs) - len(prompts)
+        stats.draft_tokens += step.draft_tokens
+        stats.accepted_draft_tokens += step.accepted_draft_tokens
 
     def run(self, reqs: list[Req]) -> None:
         """Step until every one of reqs has finished (each must come from this engine's `add_request`)."""
@@ -266,4 +301,8 @@ class Engine:
                     raise ValueError(f"request {req.uid} was not submitted to this engine (another engine's, or made "
                                      "by hand): use this engine's add_request")
             while not all(req.finished for req in reqs):
+                self.step()
+            # Under overlap scheduling the last step launched may be left to book (its tokens dropped): an idle
+            # engine holds no step.
+            while self._in_flight is not None and not self.scheduler.has_unfinished_reqs:
                 self.step()

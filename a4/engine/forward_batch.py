@@ -25,10 +25,12 @@ def build_forward_batch(
     kv_pool: object | None,
     state_pool: GDNStates | None = None,
     attn_backend: AttentionBackend | None = None,
+    state_slots: torch.Tensor | None = None,
 ) -> ForwardBatch:
     """The context of an eager step: request i feeds extend_lens[i] tokens at positions prefix_lens[i] onwards, in
     slot slots[i], whose row of req_to_token already holds the locations of those positions. `attn_backend`
-    defaults to torch's attention with, for a hybrid model (a state pool given), notebook 04's GDN functions."""
+    defaults to torch's attention with, for a hybrid model (a state pool given), notebook 04's GDN functions.
+    `state_slots` (on the device): the state rows, where they are not the slots (ForwardBatch.state_slots)."""
     if mode is not ForwardMode.EXTEND and len(set(extend_lens)) > 1:
         raise ValueError(f"a {mode.name} step feeds every request the same number of tokens, got {extend_lens}")
     if mode is ForwardMode.DECODE and (extend_lens[0] != 1 or min(prefix_lens) == 0):
@@ -60,6 +62,7 @@ def build_forward_batch(
         attn_backend=attn_backend,
         extend_lens=list(extend_lens),
         prefix_lens=list(prefix_lens),
+        state_slots=state_slots,
     )
     attn_backend.prepare(fb)
     return fb
@@ -76,10 +79,11 @@ def static_forward_batch(
     kv_pool: object,
     state_pool: GDNStates | None,
     attn_backend: AttentionBackend,
+    state_slots: torch.Tensor,
 ) -> ForwardBatch:
     """The context of a DECODE or TARGET_VERIFY step over static buffers: every request feeds L = T / B tokens
-    (input_ids, positions [T], request after request; slots [B]). Everything is computed on the device from the
-    buffers, and no host list exists to be frozen into a graph; keys are read up to the bound `max_seq_len`."""
+    (input_ids, positions [T], request after request; slots and state_slots [B]). Everything is computed on the
+    device from the buffers, and no host list exists to be frozen into a graph; keys are read up to the bound `max_seq_len`."""
     batch_size, num_tokens = slots.shape[0], input_ids.shape[0]
     per_request = num_tokens // batch_size
     last_positions = positions.view(batch_size, per_request)[:, -1]
@@ -97,6 +101,7 @@ def static_forward_batch(
         kv_pool=kv_pool,
         state_pool=state_pool,
         attn_backend=attn_backend,
+        state_slots=state_slots,
     )
     attn_backend.prepare(fb)
     return fb

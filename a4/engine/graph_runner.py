@@ -5,7 +5,8 @@ A decode step of a small model is launch-bound: on an H200 a4's eager batch-1 st
 2,000 kernels whose GPU time is a fraction of the step's wall time (`python -m a4 bench gpu`). A CUDA graph records
 the kernels of one step once and replays them with a single launch. Replay repeats the recorded work exactly, so
 what a captured step reads must sit at fixed addresses with fixed shapes, and nothing in it may consult the host:
-- the inputs (token ids, positions, slots) are copied into static buffers before each replay;
+- the inputs (token ids, positions, slots, state rows) are copied into static buffers before each replay (a decode
+  step's token ids from the device, where the last step sampled them);
 - a batch is padded up to its bucket size (1, 2, 4, 8, 16, 32, 48, 64, ...); padded requests feed token 0 at
   positions 0.. of a padding slot whose KV locations and state no request owns, so their writes land nowhere that
   matters;
@@ -101,8 +102,8 @@ class GraphRunner:
         self.padding_slot = padding_slot
         size, tokens = self.buckets[-1], max(self.tokens_per_request.values())
         # The static inputs, copied into before each step and read by every replay: token ids and positions (L per
-        # request) and slots, in one buffer so that a step needs one host-to-device copy.
-        self._inputs = torch.zeros(2 * size * tokens + size, dtype=torch.int64, device=device)
+        # request), slots and state rows (ForwardBatch.state_slots), in one buffer.
+        self._inputs = torch.zeros(2 * size * tokens + 2 * size, dtype=torch.int64, device=device)
         # A prefill's: its slot, its number of tokens, then its token ids padded to the bucket (positions 0, 1, ...).
         max_extend_tokens = min(max_extend_tokens, MAX_CAPTURED_PREFILL)
         self.extend_buckets = token_buckets(max_extend_tokens) if max_extend_tokens else []
@@ -116,12 +117,11 @@ class GraphRunner:
             with torch.inference_mode():
                 self._capture()
 
-    def _buffers(self, mode: ForwardMode, batch_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Views of the input buffer for `batch_size` requests: input_ids and positions [B * L], slots [B]."""
+    def _buffers(self, mode: ForwardMode, batch_size: int) -> tuple[torch.Tensor, ...]:
+        """Views of the input buffer for `batch_size` requests: input_ids and positions [B * L], slots and state rows
+        [B]."""
         num_tokens = batch_size * self.tokens_per_request[mode]
-        return self._inputs[:num_tokens], self._inputs[num_tokens : 2 * num_tokens], self._inputs[
-            2 * num_tokens : 2 * num_tokens + batch_size
-        ]
+        return self._inputs[: 2 * num_tokens + 2 * batch_size].split([num_tokens, num_tokens, batch_size, batch_size])
 
     def _forward(self, mode: ForwardMode, size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One step over the buffers (the work a graph records). DECODE or TARGET_VERIFY: the first `size` requests,
@@ -135,9 +135,9 @@ class GraphRunner:
             fb = static_extend_batch(input_ids=input_ids[:size], positions=self._extend_positions[:size], slot=slot,
                                      num_tokens=num_tokens, padding_slot=self.padding_slot, **pools)  # fmt: skip
         else:
-            input_ids, positions, slots = self._buffers(mode, batch_size=size)
+            input_ids, positions, slots, state_slots = self._buffers(mode, batch_size=size)
             fb = static_forward_batch(mode, input_ids=input_ids, positions=positions, slots=slots,
-                                      max_seq_len=self._max_seq_len, **pools)  # fmt: skip
+                                      state_slots=state_slots, max_seq_len=self._max_seq_len, **pools)  # fmt: skip
         return self.model(fb, with_hidden=True)
 
     def _capture(self) -> None:
@@ -153,7 +153,8 @@ class GraphRunner:
             if step[0] is not ForwardMode.EXTEND:
                 # The requests of a decode or verify step point at the padding slot (each bucket's slots are a
                 # view of its own offset in the buffer).
-                self._buffers(*step)[2].fill_(self.padding_slot)
+                for slots in self._buffers(*step)[2:]:
+                    slots.fill_(self.padding_slot)
             # Warm-up on a side stream first (lazy initialisation in cuBLAS and Triton's autotuning must not be
             # recorded), as torch.cuda.graphs recommends.
             stream = torch.cuda.Stream()
@@ -172,26 +173,29 @@ class GraphRunner:
         return self.buckets[-1]
 
     def forward(
-        self, mode: ForwardMode, input_ids: list[int], positions: list[int], slots: list[int]
+        self,
+        mode: ForwardMode,
+        input_ids: torch.Tensor,
+        positions: list[int],
+        slots: list[int],
+        state_slots: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Final hidden states [B * L, hidden] and float32 logits [B * L, vocab] of one step: request i feeds
-        input_ids[i * L : (i + 1) * L] at positions[...] in slots[i]."""
+        input_ids[i * L : (i + 1) * L] (on the device, or the host) at positions[...] in slots[i], its state in
+        state_slots[i] (on the device; default: slots[i])."""
         batch_size, per_request = len(slots), self.tokens_per_request[mode]
         bucket = next(size for size in self.buckets if size >= batch_size)
         # The padded rows are written too: an earlier, larger step may have left a request's values there.
         padding = bucket - batch_size
-        host = torch.tensor(
-            [
-                *input_ids,
-                *[0] * (padding * per_request),
-                *positions,
-                *list(range(per_request)) * padding,
-                *slots,
-                *[self.padding_slot] * padding,
-            ],
-            dtype=torch.int64,
-        )
-        self._inputs[: host.shape[0]].copy_(host)
+        padded_slots = [*slots, *[self.padding_slot] * padding]
+        ids, *_, state_slots_buffer = self._buffers(mode, bucket)
+        # Positions, slots and state rows follow the ids in the buffer: one copy from the host.
+        host = torch.tensor([*positions, *list(range(per_request)) * padding, *padded_slots, *padded_slots])
+        self._inputs[ids.shape[0] : ids.shape[0] + host.shape[0]].copy_(host)
+        # The padded rows keep whatever valid ids an earlier step left: their outputs are never read.
+        ids[: batch_size * per_request].copy_(torch.as_tensor(input_ids))
+        if state_slots is not None:
+            state_slots_buffer[:batch_size].copy_(state_slots)
         if (mode, bucket) in self.graphs:
             self.graphs[mode, bucket].replay()
             hidden, logits = self.outputs[mode, bucket]

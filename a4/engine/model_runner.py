@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 from torch import nn
 
-from a4.core import Batch, ForwardMode
+from a4.core import Batch, ForwardMode, Req
 from a4.engine.config import EngineConfig
 from a4.engine.factories import create_backends, create_kv_pool, create_memory_plan, create_state_pool
 from a4.engine.forward_batch import build_forward_batch
@@ -44,8 +44,8 @@ class ModelOutput(NamedTuple):
 
 
 def forward_mode(batch: Batch) -> ForwardMode:
-    """The step's mode, from the scheduler's batch alone: the one place it is decided."""
-    if batch.phase == "prefill":
+    """The step's mode, from the scheduler's batch alone: a mixed step runs its decodes as one-token extends."""
+    if batch.phase != "decode":
         return ForwardMode.EXTEND
     return ForwardMode.DECODE if batch.extend_lens[0] == 1 else ForwardMode.TARGET_VERIFY
 
@@ -82,10 +82,15 @@ class ModelRunner:
         self.tokens_per_decode = config.speculative_tokens + 1
         on_cuda = self.device.type == "cuda"
         static = on_cuda or config.cuda_graphs is True
+        # Overlap scheduling (engine.py) launches a step before the last one is booked: a request whose EOS that
+        # booking finds has run one step more, on the padding slot's state (`_state_slots`).
+        self.masks_finished = config.overlap and model_config.is_hybrid
+        self.eos_token_ids = torch.tensor(model_config.eos_token_ids, dtype=torch.int64, device=self.device)
         # Padded requests of a static batch need a slot and KV locations that no request owns, beyond the plan
         # (SGLang keeps a padding slot likewise): one slot, and pages for its tokens_per_decode positions.
-        padding_pages = pages_for(self.tokens_per_decode, page_size) if static else 0
-        num_slots = plan.max_running_requests + int(static)
+        has_padding = static or self.masks_finished
+        padding_pages = pages_for(self.tokens_per_decode, page_size) if has_padding else 0
+        num_slots = plan.max_running_requests + int(has_padding)
         self.kv_pool = create_kv_pool(model_config, plan.num_pages + padding_pages, page_size, dtype, self.device,
                                       draft_kv_layers)  # fmt: skip
         self.state_pool = create_state_pool(model_config, num_slots, dtype, self.device)
@@ -96,11 +101,15 @@ class ModelRunner:
         self.backend, static_backend = create_backends(model_config, self.device, dtype)
         self.table_manager = TableManager(num_slots, self.max_context_len, self.device)
         self.allocator = PageAllocator(plan.num_pages + padding_pages, page_size)
+        # Each slot's last sampled token, on the device: what its next decode step feeds, even before the host has it.
+        self.last_tokens = torch.zeros(num_slots, dtype=torch.int64, device=self.device)
         self.graph_runner = None
-        if static:
-            padding_slot = self.table_manager.allocate()
+        self.padding_slot = None
+        if has_padding:
+            self.padding_slot = padding_slot = self.table_manager.allocate()
             padding_locations = self.allocator.pages_to_locations(self.allocator.allocate(padding_pages))
             self.table_manager.write(padding_slot, 0, padding_locations)
+        if static:
             # A speculative engine's prefill returns every row (its drafter reads them), and a tensor-parallel
             # worker would need the static prefill mirrored: both prefill eagerly.
             eager_prefill = config.speculative_tokens or tp is not None
@@ -128,10 +137,10 @@ class ModelRunner:
         step: last tokens and drafts). The rows returned are the last of each sampled request (their logits
         predict its next token), or with `every_row` all of them (a speculative engine's drafter reads them)."""
         mode = forward_mode(batch)
-        reqs, extend_lens = batch.reqs, batch.extend_lens
+        reqs, extend_lens, prefix_lens = batch.reqs, batch.extend_lens, batch.prefix_lens
         if input_ids is None:
-            input_ids = [t for req, n in zip(reqs, extend_lens) for t in req.all_ids[req.computed_len :][:n]]
-        prefix_lens = [req.computed_len for req in reqs]
+            input_ids = self._input_ids(batch)
+        state_slots = self._state_slots(batch, input_ids) if self.masks_finished else None
         runner = self.graph_runner
         if mode is ForwardMode.EXTEND and runner is not None and not every_row and runner.takes_prefill(
             prefix_lens, extend_lens
@@ -142,16 +151,53 @@ class ModelRunner:
         if mode is not ForwardMode.EXTEND and runner is not None:
             # Every row of a decode or verify step is wanted: each request samples from each of its tokens.
             positions = [p + j for p, n in zip(prefix_lens, extend_lens) for j in range(n)]
-            return ModelOutput(*runner.forward(mode, input_ids, positions, [req.slot for req in reqs]))
+            return ModelOutput(*runner.forward(mode, input_ids, positions, [req.slot for req in reqs], state_slots))
         if every_row:
             sample_indices = list(range(len(input_ids)))
         else:
             ends = itertools.accumulate(extend_lens)
             sample_indices = [end - 1 for end, sampled in zip(ends, batch.sample) if sampled]
-        fb = self.forward_batch(mode, input_ids, [req.slot for req in reqs], prefix_lens, extend_lens, sample_indices)
+        slots = [req.slot for req in reqs]
+        fb = self.forward_batch(mode, input_ids, slots, prefix_lens, extend_lens, sample_indices, state_slots)
         return ModelOutput(*self.model(fb, with_hidden=True))
 
-    def forward_batch(self, mode: ForwardMode, input_ids, slots, prefix_lens, extend_lens, sample_indices):
+    def _input_ids(self, batch: Batch) -> list[int] | torch.Tensor:
+        """The tokens the batch feeds: prompt tokens from the host, and for each request that decodes the token it
+        sampled last, from `last_tokens` on the device (under overlap scheduling the host does not have it yet)."""
+        decode_rows = batch.decode_rows
+        if not any(decode_rows):
+            return [t for req, p, n in zip(batch.reqs, batch.prefix_lens, batch.extend_lens)
+                    for t in req.input_ids[p : p + n]]  # fmt: skip
+        # The decoding requests come last (a mixed step puts them after the prompts), one token each.
+        num_prompts = decode_rows.index(True)
+        prompts = zip(batch.reqs[:num_prompts], batch.prefix_lens, batch.extend_lens)
+        prompt_ids = [t for req, p, n in prompts for t in req.input_ids[p : p + n]]
+        packed = torch.tensor([req.slot for req in batch.reqs[num_prompts:]] + prompt_ids).to(self.device)
+        decode_slots, prompt_ids = packed.split([len(batch.reqs) - num_prompts, len(prompt_ids)])
+        return torch.cat([prompt_ids, self.last_tokens[decode_slots]])
+
+    def _state_slots(self, batch: Batch, input_ids: torch.Tensor | list[int]) -> torch.Tensor | None:
+        """Each request's state row: its slot, but the padding slot for a request that decodes an end-of-sequence
+        token it may stop at. Under overlap scheduling such a request finished in the step before, booked only after
+        this one was launched; its state must stay the state after its tokens (the prefix cache saves it), and this
+        step's token is dropped."""
+        may_stop = [decode and not req.sampling_params.ignore_eos for req, decode in zip(batch.reqs, batch.decode_rows)]
+        if not any(may_stop):
+            return None
+        # Each request's last fed token: a decoding request's only one.
+        last_rows = list(itertools.accumulate(batch.extend_lens, initial=-1))[1:]
+        packed = torch.tensor([[req.slot for req in batch.reqs], last_rows, may_stop]).to(self.device)
+        slots, last_rows, may_stop = packed
+        last_ids = torch.as_tensor(input_ids, device=self.device)[last_rows]
+        stops = torch.isin(last_ids, self.eos_token_ids) & may_stop.bool()
+        return torch.where(stops, self.padding_slot, slots)
+
+    def keep_last_tokens(self, reqs: list[Req], tokens: torch.Tensor) -> None:
+        """Record on the device the token each of reqs just sampled (tokens [len(reqs)], on the device)."""
+        self.last_tokens[torch.tensor([req.slot for req in reqs]).to(self.device)] = tokens
+
+    def forward_batch(self, mode: ForwardMode, input_ids, slots, prefix_lens, extend_lens, sample_indices,
+                      state_slots: torch.Tensor | None = None):  # fmt: skip
         """A ForwardBatch over this runner's table, pools and eager backend (the drafter's steps are built here
         too)."""
         return build_forward_batch(
@@ -165,4 +211,5 @@ class ModelRunner:
             kv_pool=self.kv_pool,
             state_pool=self.state_pool,
             attn_backend=self.backend,
+            state_slots=state_slots,
         )

@@ -9,8 +9,12 @@ The logits are shifted so that their largest is 0 before they are divided by the
 the same, and a temperature so small that the gaps overflow gives -inf to every token but the most likely ones, i.e.
 the greedy limit of T -> 0 (a draw among the tokens tied for the largest logit), instead of inf - inf = NaN.
 
-A request whose logits are not finite (a model or checkpoint gone wrong) or cannot be sampled gets an error instead
-of a token, and finishes alone: the other requests of its batch are served as usual.
+A request whose logits are not finite (a model or checkpoint gone wrong) gets an error instead of a token, and
+finishes alone: the other requests of its batch are served as usual.
+
+Sampling never waits for the device: `sample` returns the tokens as a device tensor (the next decode step reads them
+there) and starts one non-blocking copy of them, with each row's finiteness, to the host; `SampledTokens.result()`
+waits for that copy alone. So the engine can launch the next step before it books this one (overlap scheduling).
 
 A speculative engine (a4/speculative/worker.py) verifies a sampled request's drafts against the very distribution this
 sampler draws from (`sampling_distribution`), with random numbers from the request's own generator (`generator`).
@@ -18,6 +22,7 @@ sampler draws from (`sampling_distribution`), with random numbers from the reque
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -29,6 +34,24 @@ class Sample(NamedTuple):
     token: int | None
     # Why no token could be drawn for this request (then token is None), or None.
     error: str | None = None
+
+
+@dataclass
+class SampledTokens:
+    """One step's tokens, drawn on the device and on their way to the host."""
+
+    tokens: torch.Tensor  # [S] int64 on the device: what the next decode step feeds
+    logits: torch.Tensor  # [S, vocab]: kept to say what is wrong with a row that is not finite
+    _host: torch.Tensor  # [2, S]: tokens and row finiteness, filled by a non-blocking copy
+    _copied: torch.cuda.Event | None  # recorded after that copy (None on the CPU: the copy is done)
+
+    def result(self) -> list[Sample]:
+        """Wait for the copy; one token (or an error) per row."""
+        if self._copied is not None:
+            self._copied.synchronize()
+        tokens, finite = self._host.tolist()
+        errors = _errors(finite, self.logits)
+        return [Sample(None, error) if error is not None else Sample(token) for token, error in zip(tokens, errors)]
 
 
 class Sampler:
@@ -48,27 +71,28 @@ class Sampler:
         """The generator req draws from: its own when it has a seed, else None (torch's default one)."""
         return self._generators.get(req.uid)
 
-    def sample(self, logits: torch.Tensor, reqs: list[Req]) -> list[Sample]:
-        """One token (or an error) per row of logits [len(reqs), vocab] (float32)."""
-        # One copy to the host for the whole step: the greedy tokens and which rows may not be finite.
-        tokens, sum_finite = torch.stack([logits.argmax(dim=-1), _sum_is_finite(logits).long()]).tolist()
-        errors = _errors(sum_finite, logits)
-        samples = []
+    def sample(self, logits: torch.Tensor, reqs: list[Req]) -> SampledTokens:
+        """One token per row of logits [len(reqs), vocab] (float32), drawn on the device without waiting for it."""
+        finite = _rows_finite(logits)
+        tokens = logits.argmax(dim=-1)
         for i, req in enumerate(reqs):
-            if errors[i] is not None:
-                samples.append(Sample(None, errors[i]))
-            elif req.sampling_params.temperature > 0:
-                samples.append(self._draw(logits[i], req))
-            else:
-                samples.append(Sample(tokens[i]))
-        return samples
+            if req.sampling_params.temperature > 0:
+                tokens[i] = self._draw(logits[i], req, finite[i])
+        packed = torch.stack([tokens, finite.long()])
+        if self.device.type != "cuda":
+            return SampledTokens(tokens, logits, packed, None)
+        host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+        host.copy_(packed, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+        return SampledTokens(tokens, logits, host, copied)
 
-    def _draw(self, logits: torch.Tensor, req: Req) -> Sample:
+    def _draw(self, logits: torch.Tensor, req: Req, finite: torch.Tensor) -> torch.Tensor:
         probs = sampling_distribution(logits, req.sampling_params)
-        try:
-            return Sample(int(torch.multinomial(probs, 1, generator=self.generator(req))[0]))
-        except RuntimeError as e:
-            return Sample(None, f"sampling failed with {req.sampling_params}: {e}")
+        # A row that is not finite gets an error, not this token; its NaN probabilities would fail the draw (on a
+        # GPU, as a device-side assert that ends the process), so it draws from uniform weights instead.
+        probs = torch.where(finite, probs, 1.0)
+        return torch.multinomial(probs, 1, generator=self.generator(req))[0]
 
 
 def sampling_distribution(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -83,26 +107,22 @@ def sampling_distribution(logits: torch.Tensor, params: SamplingParams) -> torch
 
 def logits_errors(logits: torch.Tensor) -> list[str | None]:
     """Per row of logits [N, ...]: why it cannot be sampled (it is not finite), or None."""
-    return _errors(_sum_is_finite(logits.flatten(1)).tolist(), logits)
+    return _errors(_rows_finite(logits.flatten(1)).tolist(), logits)
 
 
-def _sum_is_finite(logits: torch.Tensor) -> torch.Tensor:
-    """Per row of logits [N, vocab]: whether its sum is finite. A NaN or an infinity anywhere in a row makes the sum
-    NaN or infinite, and one reduction costs less than `isfinite(logits).all()`, which writes a mask first: on an
-    H200 at batch 128 (127 MB of float32 logits) five launches and ~0.19 ms a step. A finite row can still have an
-    infinite sum (values near the float32 maximum): `_errors` checks such a row element by element."""
-    return logits.sum(dim=-1).isfinite()
+def _rows_finite(logits: torch.Tensor) -> torch.Tensor:
+    """Per row of logits [N, vocab]: whether every element is finite. A row's minimum and maximum are finite exactly
+    when all of it is (min and max propagate NaN), and one reduction costs less than `isfinite(logits).all()`, which
+    writes a mask first: on an H200 at batch 128 (127 MB of float32 logits) five launches and ~0.19 ms a step. (A sum
+    would overflow on finite rows near the float32 maximum.)"""
+    low, high = torch.aminmax(logits, dim=-1)
+    return low.isfinite() & high.isfinite()
 
 
-def _errors(sum_finite: list, logits: torch.Tensor) -> list[str | None]:
-    """sum_finite: per row, whether its sum is finite (bools, or 0 / 1); a row whose sum is not is checked whole.
-    Only such a row is indexed: iterating over logits would make a view of every row, ~0.4 µs each on the host."""
-    return [None if ok else _row_error(logits[i]) for i, ok in enumerate(sum_finite)]
-
-
-def _row_error(row: torch.Tensor) -> str | None:
-    """Why one row of logits cannot be sampled, or None where every element is finite."""
-    return None if bool(torch.isfinite(row).all()) else _non_finite_error(row)
+def _errors(finite: list, logits: torch.Tensor) -> list[str | None]:
+    """finite: per row, whether it is finite (bools, or 0 / 1). Only a row that is not is indexed: iterating over
+    logits would make a view of every row, ~0.4 µs each on the host."""
+    return [None if ok else _non_finite_error(logits[i]) for i, ok in enumerate(finite)]
 
 
 def _non_finite_error(logits: torch.Tensor) -> str:

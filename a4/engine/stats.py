@@ -18,6 +18,10 @@ class EngineStats:
     decode_seconds: float = 0.0
     # Speculative decoding: decode steps counted per request, drafts verified, drafts accepted.
     decode_request_steps: int = 0
+    # Mixed steps (counted as prefill steps too, their seconds as prefill seconds) and the tokens their decoding
+    # requests gained.
+    mixed_steps: int = 0
+    mixed_decode_tokens: int = 0
     draft_tokens: int = 0
     accepted_draft_tokens: int = 0
 

@@ -1,47 +1,58 @@
-"""ModelWorker: what one scheduler batch turns into, the model's forward and the tokens sampled from it.
+"""ModelWorker: what one scheduler batch turns into, the model's forward and the tokens sampled from it, launched
+without waiting for them.
 
-The engine hands every batch to its worker and books what comes back. A plain engine's worker runs the model runner's
-forward and samples one token for each request that samples (`ModelWorker`); a speculative engine's worker drafts,
-verifies and commits (a4/speculative/worker.py). The engine does not know which one it has (`create_worker` in
-factories.py chooses).
+`launch(batch)` runs the model runner's forward and samples on the device (a4/engine/sampling.py); the tokens stay on
+the device too, in the runner's table of each slot's last token, where the next decode step reads its input ids, and
+come back to the host with one non-blocking copy that `LaunchedStep.result()` waits for. The engine books a step's
+result when it chooses: at once, or after it has launched the next step (overlap scheduling, engine.py). A
+speculative engine's worker drafts, verifies and commits (a4/speculative/worker.py); its steps come back done. The
+engine does not know which worker it has (`create_worker` in factories.py chooses).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import NamedTuple
+from dataclasses import dataclass
 
-from a4.core import Batch, Req
+from a4.core import Batch
 from a4.engine.model_runner import ModelRunner
-from a4.engine.sampling import Sampler
+from a4.engine.sampling import SampledTokens, Sampler
 
 
-# Books a step with the scheduler (Engine._book): per request its new token, a list of them (a verify step) or None
-# (a chunk that does not sample), and why its logits could not be sampled or None. Returns the requests finished.
-Book = Callable[[list, list], list[Req]]
+@dataclass
+class LaunchedStep:
+    """A batch whose forward and sampling are launched; `result()` gives what the scheduler books."""
 
-
-class StepResult(NamedTuple):
-    finished: list[Req]
-    decode_tokens: int  # tokens the batch's requests gained, for a decode step's statistics
-    # Speculative decoding: drafts proposed and accepted in the step.
+    batch: Batch
+    samples: SampledTokens | None  # the sampled requests' tokens (None: a step that samples nothing)
+    # Speculative decoding: the tokens each request kept (a list each) and why it could not be sampled, already on
+    # the host; drafts proposed and accepted in the step.
+    verified: tuple[list, list] | None = None
     draft_tokens: int = 0
     accepted_draft_tokens: int = 0
+
+    def result(self) -> tuple[list, list[str | None]]:
+        """Per request of the batch: its new token (a list of them for a verify step, None for a chunk that does
+        not sample) and why its logits could not be sampled, or None. Waits for the device's copy."""
+        if self.verified is not None:
+            return self.verified
+        samples = iter(self.samples.result() if self.samples is not None else [])
+        next_tokens, errors = zip(*(next(samples) if sampled else (None, None) for sampled in self.batch.sample))
+        return list(next_tokens), list(errors)
 
 
 class ModelWorker:
     def __init__(self, runner: ModelRunner, sampler: Sampler) -> None:
         self.runner, self.sampler = runner, sampler
 
-    def run_batch(self, batch: Batch, book: Book) -> StepResult:
-        """Run the batch and book it with `book`, which the engine gives."""
+    def launch(self, batch: Batch) -> LaunchedStep:
+        """Run the batch's forward and sample its sampled requests' next tokens, on the device."""
         logits = self.runner.forward(batch).logits
-        return StepResult(book(*self.sample(batch, logits)), decode_tokens=len(batch.reqs))
-
-    def sample(self, batch: Batch, logits) -> tuple[list[int | None], list[str | None]]:
-        """Each request's next token (None where the step does not sample it) and error, from the logits [S, vocab]
-        of the sampled requests' last rows."""
         sampled_reqs = [req for req, sampled in zip(batch.reqs, batch.sample) if sampled]
-        samples = iter(self.sampler.sample(logits, sampled_reqs))
-        next_tokens, errors = zip(*(next(samples) if sampled else (None, None) for sampled in batch.sample))
-        return list(next_tokens), list(errors)
+        if not sampled_reqs:
+            return LaunchedStep(batch, None)
+        samples = self.sampler.sample(logits, sampled_reqs)
+        self.runner.keep_last_tokens(sampled_reqs, samples.tokens)
+        return LaunchedStep(batch, samples)
+
+    def booked(self, step: LaunchedStep) -> None:
+        """The step is booked (the speculative worker's drafter catches up here)."""

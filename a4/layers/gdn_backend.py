@@ -8,7 +8,7 @@ the causal conv and the delta rule, it calls the step's backend, as an attention
     backend.delta_rule(q, k, v, a, b, A_log, dt_bias, gdn_layer, fb)  -> o [T, Hv, dv] float32
 
 Both read the states of pool layer `gdn_layer` (`fb.state_pool.conv_state(gdn_layer)`, `recurrent_state`) at the
-rows `fb.slots`, and branch only on `fb.mode`:
+rows `fb.state_slots` (the requests' slots, see ForwardBatch), and branch only on `fb.mode`:
 - EXTEND: each request from its slot over its new tokens, final states written back;
 - DECODE: one token per request, the same;
 - TARGET_VERIFY (speculative decoding): L tokens per request from its slot, the state after every one of them kept
@@ -86,12 +86,12 @@ class TorchGDNBackend:
 
     def conv(self, x: torch.Tensor, weight: torch.Tensor, gdn_layer: int, fb: ForwardBatch) -> torch.Tensor:
         conv_state = fb.state_pool.conv_state(gdn_layer)
-        states_in = conv_state[fb.slots]
+        states_in = conv_state[fb.state_slots]
         if fb.mode is ForwardMode.TARGET_VERIFY:
             from a4.speculative.verify import causal_conv1d_verify
 
             y, states = causal_conv1d_verify(_per_request(x, fb), weight, states_in)
-            fb.state_pool.verify_conv_states(gdn_layer)[fb.slots] = states
+            fb.state_pool.verify_conv_states(gdn_layer)[fb.state_slots] = states
             return y.flatten(0, 1)
         if fb.mode is ForwardMode.DECODE:
             y, states_out = causal_conv1d_decode(x, weight, states_in)
@@ -101,7 +101,7 @@ class TorchGDNBackend:
                 # The padding came after the request's tokens (it cannot reach their outputs, the conv is causal),
                 # but the state must be the last K-1 inputs before it.
                 states_out = _conv_state_before_padding(x, states_in, fb.gdn_metadata)
-        conv_state[fb.slots] = states_out
+        conv_state[fb.state_slots] = states_out
         return y
 
     def conv_prefill(
@@ -123,7 +123,7 @@ class TorchGDNBackend:
         fb: ForwardBatch,
     ) -> torch.Tensor:
         state = fb.state_pool.recurrent_state(gdn_layer)
-        state_in = state[fb.slots]
+        state_in = state[fb.state_slots]
         if fb.mode is ForwardMode.EXTEND:
             if fb.num_token_non_padded is not None:
                 # A padding token with a = b = -inf has decay exp(g) = 1 and step size beta = 0, and with k = v = 0
@@ -133,18 +133,18 @@ class TorchGDNBackend:
                 a, b = torch.where(padding, float("-inf"), a), torch.where(padding, float("-inf"), b)
                 k, v = torch.where(padding[..., None], 0.0, k), torch.where(padding[..., None], 0.0, v)
             o, state_out = self.delta_rule_prefill(q, k, v, a, b, A_log, dt_bias, state_in, fb)
-            state[fb.slots] = state_out
+            state[fb.state_slots] = state_out
             return o
         inputs = gated_delta_inputs(q, k, v, a, b, A_log, dt_bias)
         if fb.mode is ForwardMode.TARGET_VERIFY:
             from a4.speculative.verify import gated_delta_rule_verify
 
             o, states = gated_delta_rule_verify(*(_per_request(x, fb) for x in inputs), state_in)
-            fb.state_pool.verify_recurrent_states(gdn_layer)[fb.slots] = states
+            fb.state_pool.verify_recurrent_states(gdn_layer)[fb.state_slots] = states
             return o.flatten(0, 1)
         # DECODE: one token per request, the requests are the batch of the recurrence.
         o, state_out = recurrent_gated_delta_rule(*(x[:, None] for x in inputs), state_in)
-        state[fb.slots] = state_out
+        state[fb.state_slots] = state_out
         return o[:, 0]
 
     def delta_rule_prefill(self, q, k, v, a, b, A_log, dt_bias, state_in: torch.Tensor, fb: ForwardBatch):
@@ -168,13 +168,13 @@ class BySlotGDNBackend(TorchGDNBackend):
     def conv(self, x: torch.Tensor, weight: torch.Tensor, gdn_layer: int, fb: ForwardBatch) -> torch.Tensor:
         if fb.mode is not ForwardMode.DECODE:
             return super().conv(x, weight, gdn_layer, fb)
-        return self.ops.conv_update_by_slot_(x, weight, fb.state_pool.conv_state(gdn_layer), fb.slots)
+        return self.ops.conv_update_by_slot_(x, weight, fb.state_pool.conv_state(gdn_layer), fb.state_slots)
 
     def delta_rule(self, q, k, v, a, b, A_log, dt_bias, gdn_layer: int, fb: ForwardBatch) -> torch.Tensor:
         if fb.mode is not ForwardMode.DECODE:
             return super().delta_rule(q, k, v, a, b, A_log, dt_bias, gdn_layer, fb)
         state = fb.state_pool.recurrent_state(gdn_layer)
-        return self.ops.gated_delta_rule_update_by_slot_(q, k, v, a, b, A_log, dt_bias, state, fb.slots)
+        return self.ops.gated_delta_rule_update_by_slot_(q, k, v, a, b, A_log, dt_bias, state, fb.state_slots)
 
 
 class TritonGDNBackend(BySlotGDNBackend):
@@ -193,7 +193,7 @@ class TritonGDNBackend(BySlotGDNBackend):
     def conv(self, x: torch.Tensor, weight: torch.Tensor, gdn_layer: int, fb: ForwardBatch) -> torch.Tensor:
         if fb.mode is ForwardMode.TARGET_VERIFY:
             conv_state, verify_states = fb.state_pool.conv_state(gdn_layer), fb.state_pool.verify_conv_states(gdn_layer)
-            return self.ops.conv_verify_by_slot_(x, weight, conv_state, fb.slots, verify_states)
+            return self.ops.conv_verify_by_slot_(x, weight, conv_state, fb.state_slots, verify_states)
         return super().conv(x, weight, gdn_layer, fb)
 
     def conv_prefill(self, x, weight, states_in, fb):
@@ -208,12 +208,12 @@ class TritonGDNBackend(BySlotGDNBackend):
         # o comes in the model dtype, the value the layer's cast would give it: that cast launches nothing.
         if fb.mode is ForwardMode.DECODE:
             return self.ops.gated_delta_rule_update_by_slot_(
-                q, k, v, a, b, A_log, dt_bias, state, fb.slots, out_dtype=v.dtype
+                q, k, v, a, b, A_log, dt_bias, state, fb.state_slots, out_dtype=v.dtype
             )
         if fb.mode is ForwardMode.TARGET_VERIFY:
             verify_states = fb.state_pool.verify_recurrent_states(gdn_layer)
             return self.ops.gated_delta_rule_verify_by_slot_(
-                q, k, v, a, b, A_log, dt_bias, state, fb.slots, verify_states, out_dtype=v.dtype
+                q, k, v, a, b, A_log, dt_bias, state, fb.state_slots, verify_states, out_dtype=v.dtype
             )
         return super().delta_rule(q, k, v, a, b, A_log, dt_bias, gdn_layer, fb)
 

@@ -116,10 +116,11 @@ class CacheManager:
         for req, end in zip(reqs, ends):
             req.kv_allocated_len = max(req.kv_allocated_len, end)
 
-    def cache_req(self, req: Req) -> None:
-        """Hand the request's KV positions [0, computed_len) over to the prefix cache, and their state with them.
+    def cache_req(self, req: Req, stored: int) -> None:
+        """Hand the request's KV positions [0, stored) over to the prefix cache, and their state with them: the slot's
+        state must be the state after exactly those tokens when the copy is issued.
 
-        Row positions (old = the handle's length, new = the inserted page-aligned length, stored = req.computed_len):
+        Row positions (old = the handle's length, new = the inserted page-aligned length):
           [0, old)            already the tree's, locked by this request since admission (or the last insert);
           [old, prefix_len)   the tree learned these tokens from another request meanwhile: ours are duplicates,
                               freed, and the row is pointed at the tree's copy;
@@ -129,10 +130,10 @@ class CacheManager:
         The request's row, lock and handle agree again before the state is offered to the cache, so that an exception
         there leaves the request releasable.
         """
-        slot, stored = req.slot, req.computed_len
+        slot = req.slot
         old_handle = req.cache_handle
         row = self.table_manager.read(slot, 0, stored)
-        fed = req.all_ids[:stored]
+        fed = (req.input_ids + req.output_ids)[:stored]
         result = self.prefix_cache.insert_prefix(fed, row)
         duplicates = slice(old_handle.cached_len, result.prefix_len)
         self.allocator.free_locations(row[duplicates])

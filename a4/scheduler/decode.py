@@ -32,11 +32,17 @@ class DecodeManager:
         """Pages still promised to the running requests (see the admission policy in prefill.py)."""
         return sum(self.cache_manager.pages_to_finish(req, req.computed_len) for req in self.running)
 
+    def decodable(self) -> list[Req]:
+        """The running requests that may sample another token: under overlap scheduling, one whose token in flight
+        is its last (`max_new_tokens`) only waits for that step's booking to finish it."""
+        return [req for req in self.running if req.num_sampled < req.sampling_params.max_new_tokens]
+
     def schedule_next_batch(self) -> Batch | None:
-        if not self.running:
+        reqs = self.decodable()
+        if not reqs:
             return None
-        num_reqs = len(self.running)
-        return Batch(list(self.running), phase="decode", extend_lens=[self.tokens_per_step] * num_reqs, sample=[True] * num_reqs)
+        num_reqs = len(reqs)
+        return Batch(reqs, phase="decode", extend_lens=[self.tokens_per_step] * num_reqs, sample=[True] * num_reqs)
 
     @property
     def runnable(self) -> bool:

@@ -114,12 +114,13 @@ class PrefillManager:
             return None
         return adder.batch()
 
-    def book(self, batch: Batch) -> None:
-        """The prefill step `batch` has run: its chunked requests (not sampled) go to the front of the queue to
-        resume first, the others leave it. Not done at scheduling, so that a step that raises leaves the queue as
-        it was."""
-        chunked = [req for req, sampled in zip(batch.reqs, batch.sample) if not sampled]
-        self.pending = chunked + self.pending[len(batch.reqs) :]
+    def launched(self, batch: Batch) -> None:
+        """The step `batch` (prefill or mixed) is launched: its chunked requests (not sampled) go to the front of the
+        queue to resume first, its prompts that sample leave it. Its prompts are the first of the queue, in order."""
+        prompts = [(req, sampled) for req, sampled, decode in zip(batch.reqs, batch.sample, batch.decode_rows)
+                   if not decode]  # fmt: skip
+        chunked = [req for req, sampled in prompts if not sampled]
+        self.pending = chunked + self.pending[len(prompts) :]
 
     def remove_req(self, req: Req) -> None:
         """Take req out of the queue, if it is there."""

@@ -1,13 +1,22 @@
-"""Scheduler: continuous batching. Every step it picks a batch, and after the forward it books the results.
+"""Scheduler: continuous batching. Every step it picks a batch and launches it; after the forward it books the results.
 
-Policy (mini-sglang's): prefill first. If any waiting request can make progress, the step is a prefill step (new
+Policy (mini-sglang's): prefill first. If any waiting request can make progress, the step carries prefill (new
 requests and chunks of long prompts, under the `max_prefill_tokens` budget); otherwise it is a decode step over all
-running requests. A step is never mixed. Requests join as soon as a slot and memory allow and leave as soon as they
-finish, so the batch changes from step to step (continuous batching). Admission and chunking rules are in
+running requests. With `enable_mixed_chunk` a prefill step also carries every running request's next token (a
+"mixed" step, SGLang's mixed chunk), the prompts getting what the budget leaves, so that a long prompt no longer stops
+every decode; without it a step is never mixed. Requests join as soon as a slot and memory allow and leave as soon as
+they finish, so the batch changes from step to step (continuous batching). Admission and chunking rules are in
 prefill.py, the memory states in cache.py.
 
-A request finishes at an end-of-sequence token (unless `ignore_eos`) or after `max_new_tokens`; its slot is freed and
-its KV goes to the prefix cache.
+A step's life, in the order the engine calls:
+- `schedule_next_batch`: the batch, its KV locations allocated, and its requests advanced as launched: their fed
+  lengths (`computed_len`), the prefill queue, prompts that sample joining the running requests;
+- `cache_prefill`: once its forward is launched, what its prompts wrote goes to the prefix cache;
+- `process_batch_output`: its sampled tokens booked, finishes found (EOS unless `ignore_eos`, `max_new_tokens`), a
+  finished request's KV handed to the prefix cache and its slot freed.
+With overlap scheduling (engine.py) the next step is scheduled before this one is booked: its tokens are still on the
+device (`Req.tokens_in_flight`), a request that will finish by length is not scheduled again, and a request whose
+EOS is booked one step late had its extra token dropped here.
 """
 
 from __future__ import annotations
@@ -54,6 +63,7 @@ class Scheduler:
         max_prefill_tokens: int,
         eos_token_ids: Sequence[int],
         decode_tokens_per_step: int = 1,
+        enable_mixed_chunk: bool = False,
     ) -> None:
         if max_prefill_tokens <= 0:
             raise ValueError(f"max_prefill_tokens must be positive, got {max_prefill_tokens}")
@@ -61,6 +71,7 @@ class Scheduler:
         self.cache_manager = cache_manager
         self.max_prefill_tokens = max_prefill_tokens
         self.eos_token_ids = frozenset(eos_token_ids)
+        self.enable_mixed_chunk = enable_mixed_chunk
         self.prefill_manager = PrefillManager(cache_manager, table_manager)
         self.decode_manager = DecodeManager(cache_manager, decode_tokens_per_step)
 
@@ -80,17 +91,53 @@ class Scheduler:
     def schedule_next_batch(self) -> Batch | None:
         """The next step's batch, with KV locations allocated for all the tokens it writes; None if nothing can run.
 
-        Nothing is booked until `process_batch_output`: if the step raises before that, its requests are still where
-        they were (queued, or decoding) and `abort_req` can take them out.
+        Its requests are advanced as launched (the engine runs every batch it is given): if the step raises before it
+        is booked, the engine aborts them (`abort_req`), which gives back everything they hold wherever they are.
         """
         reserved_pages = self.decode_manager.reserved_pages + self.prefill_manager.reserved_pages
-        batch = (
-            self.prefill_manager.schedule_next_batch(self.max_prefill_tokens, reserved_pages)
-            or self.decode_manager.schedule_next_batch()
-        )
-        if batch is not None:
-            self.cache_manager.allocate(batch.reqs, batch.extend_lens)
+        decoding = self.decode_manager.decodable()
+        budget = self.max_prefill_tokens - len(decoding)
+        mixed = self.enable_mixed_chunk and decoding and budget > 0
+        batch = self.prefill_manager.schedule_next_batch(budget if mixed else self.max_prefill_tokens, reserved_pages)
+        if batch is None:
+            batch = self.decode_manager.schedule_next_batch()
+        elif mixed:
+            batch = Batch(
+                reqs=batch.reqs + decoding,
+                phase="mixed",
+                extend_lens=batch.extend_lens + [1] * len(decoding),
+                sample=batch.sample + [True] * len(decoding),
+            )
+        if batch is None:
+            return None
+        batch.prefix_lens = [req.computed_len for req in batch.reqs]
+        self.cache_manager.allocate(batch.reqs, batch.extend_lens)
+        self._launch(batch)
         return batch
+
+    def _launch(self, batch: Batch) -> None:
+        """Advance the batch's requests as if its forward had run: the next batch may be scheduled before this one
+        is booked. A verify step's positions are committed at booking, by the tokens kept."""
+        verify = batch.phase == "decode" and self.decode_manager.tokens_per_step > 1
+        for req, extend_len, sampled in zip(batch.reqs, batch.extend_lens, batch.sample):
+            if not verify:
+                req.computed_len += extend_len
+            req.tokens_in_flight += sampled
+        self.prefill_manager.launched(batch)
+        for req, sampled, decode in zip(batch.reqs, batch.sample, batch.decode_rows):
+            if sampled and not decode:
+                self.decode_manager.add_req(req)
+
+    def cache_prefill(self, batch: Batch) -> None:
+        """The batch's forward is launched: share what its prompts wrote at once, KV and (hybrid) the state after
+        them, so that a later request with the same prefix (even one arriving while this prompt is still being
+        chunked) skips it. Issued before the next step's forward, which may advance the same slots."""
+        with sigint_deferred():
+            for req, prefix_len, extend_len, decode in zip(
+                batch.reqs, batch.prefix_lens, batch.extend_lens, batch.decode_rows
+            ):
+                if not decode and not req.finished:
+                    self.cache_manager.cache_req(req, prefix_len + extend_len)
 
     def process_batch_output(
         self,
@@ -98,42 +145,43 @@ class Scheduler:
         next_tokens: Sequence[int | Sequence[int] | None],
         errors: Sequence[str | None] | None = None,
     ) -> list[Req]:
-        """Book a finished forward: tokens now in the pool, sampled tokens (None where not sampled), finishes.
+        """Book a finished forward: sampled tokens (None where not sampled), finishes.
 
         A decode step that feeds several tokens per request (speculative decoding) gives each request a list of
         tokens, those its forward confirmed; each token kept commits one more fed position, and the list is cut
-        after a token that finishes the request (`keep_tokens`). A request with an error (its logits could not be sampled) finishes
-        alone with finish_reason "error", and nothing of this step's forward for it enters the prefix cache. Returns
-        the requests that finished.
+        after a token that finishes the request (`keep_tokens`). A request with an error (its logits could not be
+        sampled) finishes alone with finish_reason "error", and nothing of this step's forward for it enters the
+        prefix cache. A request that finished before this step was booked (aborted, or its EOS booked a step late
+        under overlap scheduling) drops its token. Returns the requests that finished.
         """
         with sigint_deferred():
             return self._book(batch, next_tokens, errors or [None] * len(batch.reqs))
 
     def _book(self, batch: Batch, next_tokens: Sequence, errors: Sequence[str | None]) -> list[Req]:
-        if batch.phase == "prefill":
-            self.prefill_manager.book(batch)
+        verify = batch.phase == "decode" and self.decode_manager.tokens_per_step > 1
         finished = []
-        for req, extend_len, tokens, error in zip(batch.reqs, batch.extend_lens, next_tokens, errors):
+        for req, sampled, tokens, error in zip(batch.reqs, batch.sample, next_tokens, errors):
+            if not sampled:
+                continue  # a chunk: what it wrote was shared at launch (`cache_prefill`)
+            req.tokens_in_flight -= 1
+            if req.finished:
+                continue
             if error is not None:
                 self.abort_req(req, "error", error)
                 finished.append(req)
                 continue
-            tokens = self.keep_tokens(req, [] if tokens is None else [tokens] if isinstance(tokens, int) else tokens)
-            # A decode step's positions are committed one per token kept (the rest were rejected drafts).
-            req.computed_len += extend_len if batch.phase == "prefill" else len(tokens)
+            tokens = self.keep_tokens(req, [tokens] if isinstance(tokens, int) else tokens)
+            if verify:
+                req.computed_len += len(tokens)
             for token in tokens:
                 req.output_ids.append(token)
                 req.finish_reason = self._finish_reason(req, token)
-            # Share what this step wrote at once: a later request with the same prefix (even one arriving while this
-            # prompt is still being chunked) skips it. A finished request leaves everything but its last sampled
-            # token, whose KV was never written: the prefix of a multi-turn chat's next turn.
-            if batch.phase == "prefill" or req.finish_reason is not None:
-                self.cache_manager.cache_req(req)
             if req.finish_reason is not None:
+                # Everything but its last sampled token, whose KV was never written (or, under overlap, was written
+                # by the step after, which this hands back unshared): the prefix of a multi-turn chat's next turn.
+                self.cache_manager.cache_req(req, len(req.input_ids) + len(req.output_ids) - 1)
                 self._release(req)
                 finished.append(req)
-            elif batch.phase == "prefill" and tokens:
-                self.decode_manager.add_req(req)
         return finished
 
     def keep_tokens(self, req: Req, tokens: Sequence[int]) -> list[int]:

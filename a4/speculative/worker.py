@@ -21,19 +21,29 @@ A drafter may propose fewer than k tokens for a request (the protocol's "up to")
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass, field
 
 import torch
 
 from a4.core import Batch, ForwardMode, Req
 from a4.engine.model_runner import ModelRunner, forward_mode
 from a4.engine.sampling import Sampler, logits_errors, sampling_distribution
-from a4.engine.worker import Book, ModelWorker, StepResult
+from a4.engine.worker import LaunchedStep, ModelWorker
 from a4.speculative.drafter import Drafter
 from a4.speculative.verify import greedy_accept, rejection_accept
 
 # The token fed where a drafter proposed fewer than k: any valid id will do, as neither acceptance rule accepts a -1
 # draft.
 FILLER_TOKEN = 0
+
+
+@dataclass
+class VerifiedStep(LaunchedStep):
+    """A speculative step, done: per request the positions it committed, and the final hidden states of every row
+    (the drafter catches up from the committed ones once the step is booked)."""
+
+    committed: list[int] = field(default_factory=list)
+    hidden: torch.Tensor | None = None
 
 
 class SpeculativeWorker(ModelWorker):
@@ -50,28 +60,31 @@ class SpeculativeWorker(ModelWorker):
         super().__init__(runner, sampler)
         self.drafter, self.num_draft_tokens, self.keep_tokens = drafter, num_draft_tokens, keep_tokens
 
-    def run_batch(self, batch: Batch, book: Book) -> StepResult:
+    def launch(self, batch: Batch) -> LaunchedStep:
+        """Prefill, or draft, verify and commit: the step comes back done, its tokens on the host (a speculative
+        engine books each step before scheduling the next)."""
         drafted = accepted = 0
         if forward_mode(batch) is ForwardMode.EXTEND:
             out = self.runner.forward(batch, every_row=True)
             ends = list(itertools.accumulate(batch.extend_lens))
             last_rows = [end - 1 for end, sampled in zip(ends, batch.sample) if sampled]
-            next_tokens, errors = self.sample(batch, out.logits[last_rows])
+            sampled_reqs = [req for req, sampled in zip(batch.reqs, batch.sample) if sampled]
+            samples = iter(self.sampler.sample(out.logits[last_rows], sampled_reqs).result())
+            next_tokens, errors = zip(*(next(samples) if sampled else (None, None) for sampled in batch.sample))
             committed = list(batch.extend_lens)
         else:
             drafts = self._drafts(batch.reqs)
             drafted = sum(t >= 0 for d in drafts for t in d)
             input_ids = [
-                t if t >= 0 else FILLER_TOKEN
-                for req, d in zip(batch.reqs, drafts)
-                for t in (req.all_ids[req.computed_len], *d)
+                t if t >= 0 else FILLER_TOKEN for req, d in zip(batch.reqs, drafts) for t in (req.output_ids[-1], *d)
             ]
             out = self.runner.forward(batch, input_ids, every_row=True)
             next_tokens, errors, accepted = self._accept(batch, drafts, out.logits)
             committed = [len(tokens) for tokens in next_tokens]
-        finished = book(next_tokens, errors)
-        self._observe(batch, committed, out.hidden)
-        return StepResult(finished, sum(committed), drafted, accepted)
+        return VerifiedStep(batch, None, (list(next_tokens), list(errors)), drafted, accepted, committed, out.hidden)
+
+    def booked(self, step: VerifiedStep) -> None:
+        self._observe(step.batch, step.committed, step.hidden)
 
     def _drafts(self, reqs: list[Req]) -> list[list[int]]:
         """k tokens per request, -1 where there is no draft: the drafter's, for as many tokens as the request may
@@ -120,7 +133,7 @@ class SpeculativeWorker(ModelWorker):
     def _accept_greedy(self, reqs: list[Req], drafts: list[list[int]], logits: torch.Tensor):
         """Per greedy request: drafts accepted, the model's token after them, error (logits [B, k+1, vocab])."""
         width = logits.shape[1]
-        samples = self.sampler.sample(logits.flatten(0, 1), [req for req in reqs for _ in range(width)])
+        samples = self.sampler.sample(logits.flatten(0, 1), [req for req in reqs for _ in range(width)]).result()
         errors, targets = [], []
         for i in range(len(reqs)):
             mine = samples[i * width : (i + 1) * width]
