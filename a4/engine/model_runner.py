@@ -89,7 +89,7 @@ class ModelRunner:
         # Padded requests of a static batch need a slot and KV locations that no request owns, beyond the plan
         # (SGLang keeps a padding slot likewise): one slot, and pages for its tokens_per_decode positions.
         has_padding = static or self.masks_finished
-        padding_pages = pages_for(self.tokens_per_decode, page_size) if has_padding else 0
+        self.padding_pages = padding_pages = pages_for(self.tokens_per_decode, page_size) if has_padding else 0
         num_slots = plan.max_running_requests + int(has_padding)
         self.kv_pool = create_kv_pool(model_config, plan.num_pages + padding_pages, page_size, dtype, self.device,
                                       draft_kv_layers)  # fmt: skip
