@@ -235,6 +235,16 @@ class ForwardBatch:
         return self.input_ids.shape[0] // self.slots.shape[0]
 
 
+def to_device(values: list[int] | torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host integers (a list, or a CPU tensor) as int64 on `device`, without waiting for the device: on a GPU through
+    pinned memory and a non-blocking copy. torch's copy from ordinary host memory waits for every kernel already
+    queued on the stream, which would stop overlap scheduling (engine.py) from running ahead of the device."""
+    host = torch.as_tensor(values, dtype=torch.int64)
+    if torch.device(device).type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 @dataclass(frozen=True)
 class Output:
     token_ids: list[int]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from a4.core import AttentionBackend, ForwardBatch, ForwardMode, GDNStates
+from a4.core import AttentionBackend, ForwardBatch, ForwardMode, GDNStates, to_device
 
 
 def build_forward_batch(
@@ -40,7 +40,7 @@ def build_forward_batch(
     device = req_to_token.device
 
     def tensor(values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int64, device=device)
+        return to_device(values, device)
 
     # Built on the host and copied once: one small arange per request would be a launch per request on a GPU.
     positions = tensor([pos for p, n in zip(prefix_lens, extend_lens) for pos in range(p, p + n)])
@@ -48,7 +48,8 @@ def build_forward_batch(
     slots_t = tensor(slots)
     fb = ForwardBatch(
         mode=mode,
-        input_ids=torch.as_tensor(input_ids, dtype=torch.int64).to(device),
+        input_ids=input_ids if isinstance(input_ids, torch.Tensor) and input_ids.device == device
+        else to_device(input_ids, device),
         positions=positions,
         slots=slots_t,
         seq_lens=tensor(seq_lens),

@@ -43,7 +43,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from a4.core import AttentionBackend, ForwardMode, GDNStates
+from a4.core import AttentionBackend, ForwardMode, GDNStates, to_device
 from a4.engine.forward_batch import static_extend_batch, static_forward_batch
 
 
@@ -190,10 +190,10 @@ class GraphRunner:
         padded_slots = [*slots, *[self.padding_slot] * padding]
         ids, *_, state_slots_buffer = self._buffers(mode, bucket)
         # Positions, slots and state rows follow the ids in the buffer: one copy from the host.
-        host = torch.tensor([*positions, *list(range(per_request)) * padding, *padded_slots, *padded_slots])
+        host = to_device([*positions, *list(range(per_request)) * padding, *padded_slots, *padded_slots], ids.device)
         self._inputs[ids.shape[0] : ids.shape[0] + host.shape[0]].copy_(host)
         # The padded rows keep whatever valid ids an earlier step left: their outputs are never read.
-        ids[: batch_size * per_request].copy_(torch.as_tensor(input_ids))
+        ids[: batch_size * per_request].copy_(to_device(input_ids, ids.device))
         if state_slots is not None:
             state_slots_buffer[:batch_size].copy_(state_slots)
         if (mode, bucket) in self.graphs:
@@ -216,7 +216,7 @@ class GraphRunner:
         num_tokens = len(input_ids)
         bucket = next(size for size in self.extend_buckets if size >= num_tokens)
         # The padding's ids are written too (any id would do; these are the same in every run).
-        host = torch.tensor([slot, num_tokens, *input_ids, *[0] * (bucket - num_tokens)], dtype=torch.int64)
+        host = to_device([slot, num_tokens, *input_ids, *[0] * (bucket - num_tokens)], self._extend_inputs.device)
         self._extend_inputs[: host.shape[0]].copy_(host)
         if (ForwardMode.EXTEND, bucket) in self.graphs:
             self.graphs[ForwardMode.EXTEND, bucket].replay()

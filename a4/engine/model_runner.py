@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 from torch import nn
 
-from a4.core import Batch, ForwardMode, Req
+from a4.core import Batch, ForwardMode, Req, to_device
 from a4.engine.config import EngineConfig
 from a4.engine.factories import create_backends, create_kv_pool, create_memory_plan, create_state_pool
 from a4.engine.forward_batch import build_forward_batch
@@ -172,7 +172,7 @@ class ModelRunner:
         num_prompts = decode_rows.index(True)
         prompts = zip(batch.reqs[:num_prompts], batch.prefix_lens, batch.extend_lens)
         prompt_ids = [t for req, p, n in prompts for t in req.input_ids[p : p + n]]
-        packed = torch.tensor([req.slot for req in batch.reqs[num_prompts:]] + prompt_ids).to(self.device)
+        packed = to_device([req.slot for req in batch.reqs[num_prompts:]] + prompt_ids, self.device)
         decode_slots, prompt_ids = packed.split([len(batch.reqs) - num_prompts, len(prompt_ids)])
         return torch.cat([prompt_ids, self.last_tokens[decode_slots]])
 
@@ -186,7 +186,7 @@ class ModelRunner:
             return None
         # Each request's last fed token: a decoding request's only one.
         last_rows = list(itertools.accumulate(batch.extend_lens, initial=-1))[1:]
-        packed = torch.tensor([[req.slot for req in batch.reqs], last_rows, may_stop]).to(self.device)
+        packed = to_device([[req.slot for req in batch.reqs], last_rows, may_stop], self.device)
         slots, last_rows, may_stop = packed
         last_ids = torch.as_tensor(input_ids, device=self.device)[last_rows]
         stops = torch.isin(last_ids, self.eos_token_ids) & may_stop.bool()
@@ -194,7 +194,7 @@ class ModelRunner:
 
     def keep_last_tokens(self, reqs: list[Req], tokens: torch.Tensor) -> None:
         """Record on the device the token each of reqs just sampled (tokens [len(reqs)], on the device)."""
-        self.last_tokens[torch.tensor([req.slot for req in reqs]).to(self.device)] = tokens
+        self.last_tokens[to_device([req.slot for req in reqs], self.device)] = tokens
 
     def forward_batch(self, mode: ForwardMode, input_ids, slots, prefix_lens, extend_lens, sample_indices,
                       state_slots: torch.Tensor | None = None):  # fmt: skip

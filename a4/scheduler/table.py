@@ -6,13 +6,17 @@ admitted and returned when it finishes, then reused by the next request: the num
 requests run at once (`max_running_requests`).
 
 The table lives on the model's device because attention reads it in every layer; which rows are free is host
-bookkeeping. A hybrid model keeps its per-request state (StatePool) at the same row index, as SGLang's
+bookkeeping. On a GPU the host keeps its own copy of the table (int32, written with it), which the prefix cache
+reads: reading the device's would wait for the step in flight (overlap scheduling). It costs 4 bytes per slot and
+position of host memory (0.5 GiB for 512 slots of 262,144 tokens). A hybrid model keeps its per-request state (StatePool) at the same row index, as SGLang's
 HybridReqToTokenPool does, so a slot here is a slot there too.
 """
 
 from __future__ import annotations
 
 import torch
+
+from a4.core import to_device
 
 
 class TableManager:
@@ -23,6 +27,8 @@ class TableManager:
                 f"got {max_running_requests} and {max_context_len}"
             )
         self.req_to_token = torch.zeros((max_running_requests, max_context_len), dtype=torch.int64, device=device)
+        on_host = self.req_to_token.device.type == "cpu"
+        self._host_table = None if on_host else torch.zeros(self.req_to_token.shape, dtype=torch.int32)
         # Popped from the end: row 0 first, and a freed row is the next one reused.
         self._free_slots = list(range(max_running_requests - 1, -1, -1))
 
@@ -51,7 +57,9 @@ class TableManager:
 
     def write(self, slot: int, start: int, locations: torch.Tensor) -> None:
         """Record that positions start .. start + len(locations) - 1 of the request live at `locations`."""
-        self.req_to_token[slot, start : start + len(locations)] = locations.to(self.req_to_token.device)
+        self.req_to_token[slot, start : start + len(locations)] = to_device(locations, self.req_to_token.device)
+        if self._host_table is not None:
+            self._host_table[slot, start : start + len(locations)] = locations
 
     def write_many(self, writes: list[tuple[int, int, int]], locations: torch.Tensor) -> None:
         """Several `write`s as one indexed copy to the device: write (slot, start, count) records the next `count`
@@ -59,9 +67,14 @@ class TableManager:
         its batch a location this way: one copy per request was most of an H200's step at batch 32."""
         rows = [slot for slot, _, count in writes for _ in range(count)]
         positions = [start + i for _, start, count in writes for i in range(count)]
-        packed = torch.stack((torch.tensor(rows), torch.tensor(positions), locations)).to(self.req_to_token.device)
+        host = torch.stack((torch.tensor(rows, dtype=torch.int64), torch.tensor(positions, dtype=torch.int64), locations))
+        packed = to_device(host, self.req_to_token.device)
         self.req_to_token[packed[0], packed[1]] = packed[2]
+        if self._host_table is not None:
+            self._host_table[host[0], host[1]] = host[2].int()
 
     def read(self, slot: int, start: int, end: int) -> torch.Tensor:
         """Host copy of the locations of positions start .. end - 1."""
-        return self.req_to_token[slot, start:end].cpu()
+        if self._host_table is not None:
+            return self._host_table[slot, start:end].long()
+        return self.req_to_token[slot, start:end].clone()
