@@ -347,7 +347,7 @@ def test_step_profiles_profile_the_steps_they_name():
     assert stats.decode_tokens == 5 * (gpu.PROFILE_NEW_TOKENS - 1)
 
 
-def test_gpu_parts_run_on_the_cpu():
+def test_gpu_parts_run_on_the_cpu(capsys):
     """Every part of `bench gpu` but the processes and CUDA: the tiny model on the CPU, then the report."""
     workload = gpu.Workload.quick()
     model_dir = make_checkpoint(None, "qwen3_5", preset=workload.preset)
@@ -393,6 +393,36 @@ def test_gpu_parts_run_on_the_cpu():
     # The weights were drawn on the device, not read: the MoE model's bytes, independently, from transformers.
     moe_dir = make_checkpoint(None, "qwen3_5_moe", preset=workload.moe_preset)
     assert moe["weight_bytes"] == 2 * hf_text_model_parameters(moe_dir)
+
+    # Speculation at the MoE's shapes, batch 1: plain decode, then per k oracle drafts all right and none right, and
+    # the model's own MTP drafts; each a decode run of spec_new_tokens whose figures add up as bench spec's do.
+    moe_spec = report["moe_speculative"]
+    assert moe_spec["preset"] == workload.moe_preset
+    [row] = moe_spec["decode"]
+    ks = workload.moe_spec_tokens
+    all_right = {f"k={k}, {right}/{k} right": right == k for k in ks for right in (k, 0)}  # oracle -> drafts all right
+    names = [spec.NO_SPECULATION] + [name for k in ks for name in (f"k={k}, {k}/{k} right", f"k={k}, 0/{k} right",
+                                                                   f"k={k}, MTP drafts")]  # fmt: skip
+    assert row["batch"] == 1 and list(row["systems"]) == names
+    base = row["systems"][spec.NO_SPECULATION]["tokens_per_s"]
+    for name, result in row["systems"].items():
+        runs = result["runs"]
+        assert len(runs) == workload.spec_repeats
+        assert all(run["decode_tokens"] == workload.spec_new_tokens - 1 for run in runs)
+        tokens_per_step = sum(run["decode_tokens"] for run in runs) / sum(run["decode_steps"] for run in runs)
+        step_seconds = statistics.median(s for run in runs for s in run["decode_step_seconds"])
+        assert result["tokens_per_s"] == pytest.approx(tokens_per_step / step_seconds) and step_seconds > 0
+        assert row["speedup"][name] == pytest.approx(result["tokens_per_s"] / base)
+        assert 0 <= result["acceptance_rate"] <= 1
+        if name in all_right:
+            # The oracle's drafts are the plain engine's own greedy tokens (bfloat16 on the CPU, where the verify
+            # pass computes what the decode step does): all right means all accepted; none right, none.
+            assert result["acceptance_rate"] == (1.0 if all_right[name] else 0.0), name
+            assert (result["tokens_per_decode_step"] > 1) == all_right[name], name
+    gpu.print_table(report)
+    printed = capsys.readouterr().out
+    assert f"speculative decoding at Qwen3.5-MoE-{workload.moe_preset} shapes" in printed
+    assert all(f"{name:>18}" in printed for name in names)
 
 
 def test_gpu_context_part_times_the_engines_graph_safe_decode(monkeypatch):

@@ -20,7 +20,7 @@ from a4.engine.config import EngineConfig
 from a4.layers.deltanet import GatedRMSNorm
 from a4.layers.gated_attention import ZeroCenteredRMSNorm
 from a4.layers.moe import FusedExperts
-from a4.models.qwen3_5_mtp import load_mtp, mtp_key_map
+from a4.models.qwen3_5_mtp import experts_as_stored, load_mtp, mtp_key_map
 from a4.models.registry import load_model, model_class
 from a4.models.weights import WeightLoadError, loadable_tensors
 
@@ -85,14 +85,27 @@ def test_drawn_tensors_are_the_checkpoint_writers_on_the_cpu(arch, dtype):
         assert torch.equal(tensor, expected[name].to(tensor.dtype)), name
 
 
-def test_mtp_module_is_drawn_from_the_plans_mtp_entries():
-    model_dir = config_only("qwen3_5")
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe"])
+def test_mtp_module_is_drawn_from_the_plans_mtp_entries(arch):
+    model_dir = config_only(arch)
     model = load_dummy(model_dir)
     mtp, report = load_mtp(model, model_dir, dtype=torch.float32, device="cpu", load_format="dummy")
     config = json.loads((model_dir / "config.json").read_text())
-    expected = {mtp_key_map(key): t for key, t in random_tensors("qwen3_5", config, seed=0, prefix="mtp.").items()}
-    assert loadable_tensors(mtp).keys() == expected.keys() and report.random_seed == 0
-    assert all(torch.equal(t, expected[name].float()) for name, t in loadable_tensors(mtp).items())
+    expected = {mtp_key_map(key): t for key, t in random_tensors(arch, config, seed=0, prefix="mtp.").items()}
+    # A MoE layer's experts are drawn one by one, as the checkpoint stores them, into the layer's fused tensors.
+    with experts_as_stored(mtp):
+        drawn = loadable_tensors(mtp)
+    assert drawn.keys() == expected.keys() and report.random_seed == 0
+    assert all(torch.equal(t, expected[name].float()) for name, t in drawn.items())
+
+
+def test_moe_engine_drafts_with_its_drawn_mtp_module():
+    prompts = [[5, 17, 300, 2], [900, 4, 4, 61, 7, 12]]
+    params = SamplingParams(max_new_tokens=8)
+    expected = [out.token_ids for out in LLM(config_only("qwen3_5_moe"), load_format="dummy").generate(prompts, params)]
+    speculative = LLM(config_only("qwen3_5_moe"), load_format="dummy", speculative_tokens=2)
+    assert [out.token_ids for out in speculative.generate(prompts, params)] == expected
+    assert speculative.stats.draft_tokens > 0
 
 
 def test_llm_on_drawn_weights_generates_what_the_written_checkpoint_generates(tmp_path):

@@ -4,6 +4,8 @@ its loading.
 transformers has no MTP module, so the reference is written here from the layout alone
 (/work/shared/reference/qwen3_5-configs.md): plain torch ops in float64, the tensors read straight from the
 safetensors files, the config from config.json, attention over the whole sequence under a causal mask (no KV pool).
+The MoE checkpoint's MTP layer (its experts stored one by one) has its MLP computed by transformers' own
+Qwen3_5MoeSparseMoeBlock in float64, holding those tensors.
 Both sides get the same main-model hidden states, from transformers (the text model's last hidden state, after its
 final norm: what lm_head reads). Position by position: a4's module runs through its KV pool layer in chunks, a
 varlen batch and decode steps, and its logits at every position must match the reference's.
@@ -98,9 +100,36 @@ def naive_mtp_logits(model_dir: Path, hidden: torch.Tensor, next_ids: list[int])
     x = x + attended.reshape(T, n_heads * head_dim) @ w[p + "self_attn.o_proj.weight"].T
 
     m = norm(x, p + "post_attention_layernorm.weight")
-    gated = torch.nn.functional.silu(m @ w[p + "mlp.gate_proj.weight"].T) * (m @ w[p + "mlp.up_proj.weight"].T)
-    x = x + gated @ w[p + "mlp.down_proj.weight"].T
+    if "num_experts" in t:
+        with torch.no_grad():
+            x = x + transformers_moe_block(model_dir, w, p + "mlp.")(m[None])[0]
+    else:
+        gated = torch.nn.functional.silu(m @ w[p + "mlp.gate_proj.weight"].T) * (m @ w[p + "mlp.up_proj.weight"].T)
+        x = x + gated @ w[p + "mlp.down_proj.weight"].T
     return norm(x, "mtp.norm.weight") @ lm_head.T
+
+
+def transformers_moe_block(model_dir: Path, w: dict[str, torch.Tensor], prefix: str) -> torch.nn.Module:
+    """transformers' Qwen3_5MoeSparseMoeBlock ("eager" experts, float64) holding the tensors under `prefix`: the
+    checkpoint's experts one by one, stacked as transformers' fused experts read them (expert e's gate_up_proj is
+    its gate_proj rows, then its up_proj rows)."""
+    from transformers import AutoConfig
+    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeSparseMoeBlock
+
+    config = AutoConfig.from_pretrained(model_dir).text_config
+    config._experts_implementation = "eager"
+    block = Qwen3_5MoeSparseMoeBlock(config).double().eval()
+
+    def expert(e: int, projection: str) -> torch.Tensor:
+        return w[f"{prefix}experts.{e}.{projection}.weight"]
+
+    experts = range(config.num_experts)
+    state = {key.removeprefix(prefix): t for key, t in w.items() if key.startswith(prefix) and ".experts." not in key}
+    gate_up = [torch.cat((expert(e, "gate_proj"), expert(e, "up_proj"))) for e in experts]
+    state["experts.gate_up_proj"] = torch.stack(gate_up)
+    state["experts.down_proj"] = torch.stack([expert(e, "down_proj") for e in experts])
+    block.load_state_dict(state)  # strict: every tensor of the block, nothing else
+    return block
 
 
 def hf_final_hidden(model_dir: Path, tokens: list[int]) -> torch.Tensor:
@@ -116,9 +145,14 @@ def hf_final_hidden(model_dir: Path, tokens: list[int]) -> torch.Tensor:
 # ------------------------------------------------------------------------------------------------------------ forward
 
 
-@pytest.fixture(scope="module", params=[{}, {"tie_word_embeddings": False}], ids=["tied", "untied"])
+@pytest.fixture(
+    scope="module",
+    params=[("qwen3_5", {}), ("qwen3_5", {"tie_word_embeddings": False}), ("qwen3_5_moe", {})],
+    ids=["tied", "untied", "moe"],
+)
 def checkpoint(request) -> Path:
-    return tiny_checkpoint("qwen3_5", **request.param)
+    arch, overrides = request.param
+    return tiny_checkpoint(arch, **overrides)
 
 
 def test_mtp_logits_match_naive_layout_position_by_position(checkpoint):
@@ -212,22 +246,62 @@ def test_load_mtp_names_each_wrong_missing_and_unexpected_key(tiny_qwen3_5, tmp_
     assert a4_model(broken, torch.float32) is not None
 
 
-def test_moe_mtp_is_refused_with_a_clear_error(tiny_qwen3_5_moe):
+def test_load_mtp_merges_the_moe_layers_experts_stored_one_by_one(tiny_qwen3_5_moe):
+    """Every `mtp.*` key of the MoE checkpoint is read; the experts' one-by-one tensors land in the layer's fused
+    ones, as the main layers store theirs (gate_up_proj[e] = gate_proj rows then up_proj rows; down_proj[e])."""
     model = a4_model(tiny_qwen3_5_moe, torch.float32)
-    with pytest.raises(ValueError, match="experts one by one"):
-        load_mtp(model, tiny_qwen3_5_moe, dtype=torch.float32, device="cpu")
+    mtp, report = load_mtp(model, tiny_qwen3_5_moe, dtype=torch.float32, device="cpu")
+    stored = {key: t.float() for key, t in checkpoint_tensors(tiny_qwen3_5_moe).items()}
+    mtp_keys = {key for key in stored if key.startswith("mtp.")}
+    assert set(report.loaded_keys) == mtp_keys and set(report.skipped_keys) == stored.keys() - mtp_keys
+    experts = mtp.layers[0].mlp.experts
+    num_experts = model.config.num_experts
+    p = "mtp.layers.0.mlp.experts."
+    expected_gate_up = [torch.cat((stored[f"{p}{e}.gate_proj.weight"], stored[f"{p}{e}.up_proj.weight"])) for e in
+                        range(num_experts)]  # fmt: skip
+    assert torch.equal(experts.gate_up_proj, torch.stack(expected_gate_up))
+    assert torch.equal(experts.down_proj, torch.stack([stored[f"{p}{e}.down_proj.weight"] for e in range(num_experts)]))
+    params = dict(mtp.named_parameters())
+    assert set(params) == {key.removeprefix("mtp.") for key in mtp_keys if not key.startswith(p)} | {
+        "layers.0.mlp.experts.gate_up_proj", "layers.0.mlp.experts.down_proj"}  # fmt: skip
+    for key in mtp_keys:
+        if not key.startswith(p):
+            assert torch.equal(params[key.removeprefix("mtp.")], stored[key]), key
+    # The same SparseMoeBlock as the main model's layers.
+    assert type(mtp.layers[0].mlp) is type(model.model.layers[0].mlp)
+
+
+def test_load_mtp_names_each_missing_or_misshapen_expert_of_a_moe_layer(tiny_qwen3_5_moe, tmp_path):
+    model = a4_model(tiny_qwen3_5_moe, torch.float32)
+    p = "mtp.layers.0.mlp.experts."
+
+    def break_experts(tensors: dict[str, torch.Tensor]) -> None:
+        del tensors[f"{p}3.up_proj.weight"]
+        tensors[f"{p}5.down_proj.weight"] = tensors[f"{p}5.down_proj.weight"].T.contiguous()
+
+    broken = rewritten_checkpoint(tiny_qwen3_5_moe, tmp_path / "broken", break_experts)
+    with pytest.raises(WeightLoadError) as error:
+        load_mtp(model, broken, dtype=torch.float32, device="cpu")
+    message = str(error.value)
+    config = model.config
+    assert "2 problems" in message, message
+    assert "missing: layers.0.mlp.experts.3.up_proj.weight" in message, message
+    wrong = (config.moe_intermediate_size, config.hidden_size)
+    assert f"wrong shape: {p}5.down_proj.weight is {wrong}" in message, message
 
 
 # ------------------------------------------------------------------------------------------- drafting in the engine
 
 
-def test_the_engines_first_draft_is_what_the_naive_mtp_predicts_from_the_committed_tokens(tiny_qwen3_5):
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe"])
+def test_the_engines_first_draft_is_what_the_naive_mtp_predicts_from_the_committed_tokens(arch):
     """After every verify step the MTP module's KV must hold what the main model's true hidden states give at the
     committed positions, not the chained drafts' provisional values: its next first draft must then be the naive
     module's prediction over the whole committed sequence."""
     from a4 import LLM, SamplingParams
 
-    llm = LLM(tiny_qwen3_5, speculative_tokens=2, max_prefill_tokens=16)
+    checkpoint = tiny_checkpoint(arch)
+    llm = LLM(checkpoint, speculative_tokens=2, max_prefill_tokens=16)
     drafter = llm.engine.drafter
     proposals = []
     propose = drafter.propose
@@ -244,6 +318,6 @@ def test_the_engines_first_draft_is_what_the_naive_mtp_predicts_from_the_committ
     for sequence, first_draft in proposals:
         # The last token has just been chosen and is not fed yet: the draft is read at the position before it.
         fed = len(sequence) - 1
-        logits = naive_mtp_logits(tiny_qwen3_5, hf_final_hidden(tiny_qwen3_5, sequence[:fed]), sequence[1:])[-1]
+        logits = naive_mtp_logits(checkpoint, hf_final_hidden(checkpoint, sequence[:fed]), sequence[1:])[-1]
         # The draft is the naive argmax, or ties with it within float32 rounding.
         assert logits[first_draft] >= logits.max() - 1e-4 * logits.abs().max(), (sequence, first_draft)

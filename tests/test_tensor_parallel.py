@@ -192,6 +192,13 @@ def test_qwen3_5_moe(size, overrides):
         assert_matches_transformers(llm, checkpoint, VARLEN if size == 2 else VARLEN[:2])
 
 
+def test_qwen3_5_moe_speculative_decoding(tiny_qwen3_5_moe):
+    # The MTP module's MoE layer (its experts merged at load) split like the model's: experts across the ranks.
+    with LLM(tiny_qwen3_5_moe, tensor_parallel_size=2, speculative_tokens=2, **ENGINE) as llm:
+        assert_matches_transformers(llm, tiny_qwen3_5_moe, VARLEN[:3])
+        assert llm.stats.draft_tokens > 0
+
+
 # --- a worker that dies ---------------------------------------------------------------------------------------
 
 

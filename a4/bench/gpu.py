@@ -19,7 +19,12 @@ compiled kernels or imported modules:
   acceptance is forced), with the acceptance measured;
 - moe: Qwen3.5-35B-A3B's shapes (`qwen3_5_moe-35b-a3b`, ~70 GB in bf16) through the engine with CUDA graphs, its
   random weights built on the GPU from config.json (`load_format="dummy"`: no checkpoint on disk, which the H200's
-  64 GiB would not hold), prefill and decode timed and profiled as a4's (batch 1, 8, 32).
+  64 GiB would not hold), prefill and decode timed and profiled as a4's (batch 1, 8, 32);
+- moe_spec: speculative decoding at those shapes, batch 1, CUDA graphs: plain decode, then k = 1, 2, 3 drafts per
+  step from an oracle (a plain run's own greedy tokens: all right, or made wrong: none right) and from the model's
+  own MTP module (its MoE layer; random weights: its drafts are nonsense, their cost is the figure), tokens per
+  second as the spec part times them. One engine at a time, each released before the next is built: each draws the
+  whole model, and two do not fit one H200.
 
 Each system prefills one 512- and one 2,048-token prompt (median of 5 after a warm-up, one new token) and decodes at
 batch 1, 8, 32, 64 and 128 (prompts of 128 tokens, median of 40 steps; a step is timed as in `bench engine`). The
@@ -73,7 +78,8 @@ DTYPE_NAME = "bfloat16"
 DTYPE = getattr(torch, DTYPE_NAME)
 GRAPHS = {"a4": True, "a4_no_graphs": False}  # the a4 systems and their `cuda_graphs`
 SYSTEMS = (*GRAPHS, "transformers", "transformers_fla")
-PARTS = ("floor", *SYSTEMS, "context", "throughput", "spec", "moe")
+PARTS = ("floor", *SYSTEMS, "context", "throughput", "spec", "moe", "moe_spec")
+MOE_PARTS = ("moe", "moe_spec")  # the parts that draw Qwen3.5-MoE's weights themselves
 FLA_DISTRIBUTIONS = ("flash-linear-attention", "fla-core")
 MAX_PREFILL_TOKENS = 8192
 SPEC_MEMORY_BUDGET = 16 << 30  # bytes of pools for each engine of the spec part on a GPU
@@ -102,6 +108,8 @@ class Workload:
     # The moe part: the Qwen3.5-MoE preset and its decode batch sizes (prefill_lens as the other systems).
     moe_preset: str = "35b-a3b"
     moe_batches: tuple[int, ...] = (1, 8, 32)
+    # The moe_spec part: drafts per step, one engine each (new tokens and repeats: the spec part's).
+    moe_spec_tokens: tuple[int, ...] = (1, 2, 3)
 
     @staticmethod
     def full() -> Workload:
@@ -116,7 +124,7 @@ class Workload:
             "tiny", (32, 128), (1, 8), prompt_len=16, decode_steps=4, prefill_repeats=2, contexts=(256, 1024),
             repeats=3, copy_bytes=16 << 20, gemm_size=256, throughput_requests=8, throughput_lens=(8, 32),
             spec_batches=(1, 2), spec_tokens=2, spec_new_tokens=6, spec_repeats=1, moe_preset="tiny",
-            moe_batches=(1, 2),
+            moe_batches=(1, 2), moe_spec_tokens=(1, 2),
         )  # fmt: skip
 
     @property
@@ -130,7 +138,7 @@ class Workload:
 
 def run_part(part: str, model_dir: Path | None, workload: Workload, device: torch.device) -> dict:
     """Measure one part (see the module docstring) on `device`; the CPU runs them too, for the tests. `model_dir`:
-    the checkpoint of Qwen3.5 at workload.preset (unused by the moe part)."""
+    the checkpoint of Qwen3.5 at workload.preset (unused by the MOE_PARTS)."""
     if part == "floor":
         return measure_floor(model_dir, workload, device)
     if part == "context":
@@ -141,6 +149,8 @@ def run_part(part: str, model_dir: Path | None, workload: Workload, device: torc
         return measure_spec(model_dir, workload, device)
     if part == "moe":
         return measure_moe(workload, device)
+    if part == "moe_spec":
+        return measure_moe_spec(workload, device)
     if part in SYSTEMS:
         return measure_system(part, model_dir, workload, device)
     raise ValueError(f"unknown part {part!r} (expected one of {', '.join(PARTS)})")
@@ -281,8 +291,7 @@ def measure_moe(workload: Workload, device: torch.device) -> dict:
     from a4.bench.engine import A4Runner
     from a4.models.config import load_model_config
 
-    # config.json and generation_config.json only: the weights are drawn on the device (load_format="dummy").
-    model_dir = make_checkpoint(None, "qwen3_5_moe", preset=workload.moe_preset, weights=False)
+    model_dir = moe_config_dir(workload)
     start = time.perf_counter()
     runner = A4Runner(
         model_dir, DTYPE_NAME, max_prefill_tokens=MAX_PREFILL_TOKENS, device=device,
@@ -294,6 +303,61 @@ def measure_moe(workload: Workload, device: torch.device) -> dict:
     result = time_runner(runner, config, workload, workload.moe_batches, device, profile=device.type == "cuda")
     return {**result, "preset": workload.moe_preset,
             "model_bytes": asdict(ModelBytes.of(runner.llm.engine.model, config, DTYPE))}  # fmt: skip
+
+
+@torch.inference_mode()
+def measure_moe_spec(workload: Workload, device: torch.device) -> dict:
+    """Plain decode at batch 1 against oracle drafts (all right, none right) and MTP drafts, k drafts per step for
+    each k of workload.moe_spec_tokens, at Qwen3.5-MoE's shapes (workload.moe_preset, weights drawn where it runs):
+    `a4.bench.spec`'s figures per system. Each engine runs its systems side by side and is released before the next
+    is built; every engine draws the same weights (each tensor from a generator seeded by its name), so the plain
+    engine's greedy tokens are every engine's."""
+    import gc
+
+    from a4 import SamplingParams
+    from a4.bench.engine import A4Runner, random_prompts
+    from a4.bench.spec import NO_SPECULATION, System, decode_results, decode_row
+    from a4.models.config import load_model_config
+    from a4.speculative.drafter import OracleDrafter
+
+    model_dir = moe_config_dir(workload)
+    config = load_model_config(model_dir)
+    new_tokens, repeats, ks = workload.spec_new_tokens, workload.spec_repeats, workload.moe_spec_tokens
+    prompts = random_prompts([workload.prompt_len], config.vocab_size, config.eos_token_ids, seed=1)
+    options = dict(max_prefill_tokens=MAX_PREFILL_TOKENS, device=device, max_running_requests=1, cuda_graphs=True,
+                   load_format="dummy")  # fmt: skip
+
+    # Each engine lives in one of these two calls: when it returns, nothing refers to the engine any more.
+    def plain_results() -> tuple[dict, dict]:
+        plain = A4Runner(model_dir, DTYPE_NAME, **options)
+        # The drafts: the plain engine's greedy tokens, max(ks) more than decoded for the last verify steps.
+        output = plain.llm.generate(prompts, SamplingParams(max_new_tokens=new_tokens + max(ks), ignore_eos=True))[0]
+        results = decode_results({NO_SPECULATION: System(plain)}, prompts, new_tokens, repeats)
+        return results, {tuple(prompts[0]): output.token_ids}
+
+    def speculative_results(k: int, continuations: dict) -> dict:
+        # Built with the model's MTP module as its drafter; the oracle's runs install theirs.
+        spec = A4Runner(model_dir, DTYPE_NAME, speculative_tokens=k, **options)
+        systems = {
+            f"k={k}, {right}/{k} right": System(spec, OracleDrafter(continuations, right, config.vocab_size))
+            for right in (k, 0)
+        }
+        systems[f"k={k}, MTP drafts"] = System(spec, spec.llm.engine.drafter)
+        return decode_results(systems, prompts, new_tokens, repeats)
+
+    results, continuations = plain_results()
+    for k in ks:
+        gc.collect()  # the last engine's cycles, and with them its tensors
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        results |= speculative_results(k, continuations)
+    return {"preset": workload.moe_preset, "new_tokens": new_tokens, "decode": [decode_row(1, results)]}
+
+
+def moe_config_dir(workload: Workload) -> Path:
+    """config.json and generation_config.json of Qwen3.5-MoE at workload.moe_preset, and no weights: they are drawn
+    on the device (load_format="dummy")."""
+    return make_checkpoint(None, "qwen3_5_moe", preset=workload.moe_preset, weights=False)
 
 
 def make_runner(name: str, model_dir: Path, workload: Workload, device: torch.device):
@@ -496,8 +560,8 @@ def main(
     out_dir = Path(out_dir) if out_dir is not None else DEFAULT_OUT_DIR
     out_dir.mkdir(parents=True, exist_ok=True)
     if system is not None:
-        # The moe part draws its own weights; the others share one checkpoint on disk.
-        model_dir = None if system == "moe" else make_checkpoint(None, "qwen3_5", preset=workload.preset)
+        # The moe parts draw their own weights; the others share one checkpoint on disk.
+        model_dir = None if system in MOE_PARTS else make_checkpoint(None, "qwen3_5", preset=workload.preset)
         result = run_part(system, model_dir, workload, torch.device("cuda"))
         (out_dir / f"{system}.json").write_text(json.dumps(result, indent=2) + "\n")
         return result
@@ -609,6 +673,8 @@ def assemble(parts: dict[str, dict], workload: Workload, meta: dict) -> dict:
         report["speculative"] = parts["spec"]
     if "moe" in parts:
         report["moe"] = moe_report(parts["moe"], floor, workload)
+    if "moe_spec" in parts:
+        report["moe_speculative"] = parts["moe_spec"]
     if "context" in parts:
         report["decode_vs_context"] = {"context": list(workload.contexts), "batch": 1, **parts["context"]}
     report["launch_profile"] = [
@@ -742,6 +808,11 @@ def print_table(report: dict) -> None:
             for key, ms in part[f"{kind}_ms"].items():
                 floor_time = part[f"{kind}_floor_ms"][key]
                 print(f"{step_label(kind, key):<20}{ms:>10.2f}  floor {floor_time:.3f} ({floor_time / ms:.1%})")
+    if "moe_speculative" in report:
+        from a4.bench.spec import print_decode
+
+        part = report["moe_speculative"]
+        print_decode(part, f"speculative decoding at Qwen3.5-MoE-{part['preset']} shapes, oracle and MTP drafts")
     profiles = [*report["launch_profile"]]
     if report.get("moe"):
         moe = report["moe"]

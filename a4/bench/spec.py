@@ -115,6 +115,11 @@ def pooled(runs: list[dict]) -> EngineStats:
 def side_by_side(systems: dict[str, System], prompts: list[list[int]], new_tokens: int, repeats: int) -> dict:
     """Decode tokens/s of each system (`repeats` runs, the systems taking turns), its acceptance and the tokens a
     request gains per decode step, over all its runs; each system's speed-up over no speculation."""
+    return decode_row(len(prompts), decode_results(systems, prompts, new_tokens, repeats))
+
+
+def decode_results(systems: dict[str, System], prompts: list[list[int]], new_tokens: int, repeats: int) -> dict:
+    """`side_by_side`'s figures of each system, without the speed-ups (no speculation may be measured apart)."""
     for system in systems.values():
         decode_run(system, prompts, WARM_UP_TOKENS)  # first-call costs out of the figures, as in _timing
     runs: dict[str, list[dict]] = {name: [] for name in systems}
@@ -131,9 +136,14 @@ def side_by_side(systems: dict[str, System], prompts: list[list[int]], new_token
             "tokens_per_decode_step": total.tokens_per_decode_step,
             "runs": system_runs,
         }
+    return results
+
+
+def decode_row(batch: int, results: dict) -> dict:
+    """One batch's row of a report's "decode": each system's figures and its speed-up over no speculation."""
     base = results[NO_SPECULATION]["tokens_per_s"]
     return {
-        "batch": len(prompts),
+        "batch": batch,
         "systems": results,
         "speedup": {name: result["tokens_per_s"] / base for name, result in results.items()},
     }

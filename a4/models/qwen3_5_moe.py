@@ -7,7 +7,9 @@ same state and KV pools, the same norms and RoPE. Only the `make_mlp` hook diffe
 The checkpoint's layout matches the dense one, so notebook 02's key map loads it as it is: `model.language_model.*`
 is renamed by prefix, whatever a layer holds, and `mtp.*` and `model.visual.*` are skipped by prefix. That matters
 for the MTP layer, which stores its experts one by one (`mtp.layers.0.mlp.experts.<e>.gate_proj.weight`, ...), not
-fused like the main layers: it is skipped unread, whatever its layout.
+fused like the main layers: the main model skips it unread, whatever its layout. The MTP module, loaded apart for
+speculative decoding (a4/models/qwen3_5_mtp.py), gets a SparseMoeBlock from `make_mlp` too and merges those experts
+into it at load.
 """
 
 from __future__ import annotations

@@ -7,12 +7,13 @@ request a draw from its sampling distribution (rejection sampling): a bad draft 
 it. Both drafters are greedy (a draft is one token, not a distribution). Two drafters:
 
 - `MTPDrafter`: Qwen3.5's multi-token-prediction module (a4/models/qwen3_5_mtp.py), one decoder layer that reads the
-  main model's last hidden state and the next token. It keeps KV of its own, one more layer of the engine's KV pool,
-  at the same locations as the main model's. After every forward of the main model it catches up over the positions
-  that forward committed (`observe`): at position p it reads (h_p, token p + 1), writes its KV at p and, from the
-  last committed position, drafts the first token. `propose` chains the rest: draft i + 1 is read from the module's
-  own output and draft i, at the next position. Those chained positions' KV is provisional: the next `observe`
-  rewrites it from the main model's true hidden states.
+  main model's last hidden state and the next token (Qwen3.5-MoE's layer has a mixture of experts as its MLP). It
+  keeps KV of its own, one more layer of the engine's KV pool, at the same locations as the main model's. After
+  every forward of the main model it catches up over the positions that forward committed (`observe`): at position
+  p it reads (h_p, token p + 1), writes its KV at p and, from the last committed position, drafts the first token.
+  `propose` chains the rest: draft i + 1 is read from the module's own output and draft i, at the next position.
+  Those chained positions' KV is provisional: the next `observe` rewrites it from the main model's true hidden
+  states.
 - `OracleDrafter`: drafts from a known greedy continuation, right for its first `correct` tokens and wrong after,
   so that tests and notebook 11 can force every acceptance length.
 
@@ -128,17 +129,13 @@ class MTPDrafter:
 
 
 def load_mtp_module(config, model_config, model: torch.nn.Module, shard=None) -> torch.nn.Module:
-    """The checkpoint's MTP module, the default drafter of an EngineConfig with speculative_tokens: dense Qwen3.5
-    only (a ValueError naming why otherwise). `shard`: a tensor-parallel rank's cut, as for `load_model`."""
+    """The checkpoint's MTP module, the default drafter of an EngineConfig with speculative_tokens: Qwen3.5's, dense
+    or MoE (a ValueError naming why for a model without one). `shard`: a tensor-parallel rank's cut, as for
+    `load_model`."""
     if not model_config.is_hybrid:
         raise ValueError(
             f"speculative_tokens needs a draft: {model_config.architecture} checkpoints have no MTP module (only "
             "Qwen3.5's do); give the Engine a drafter (a4.speculative.drafter) or set speculative_tokens=0"
-        )
-    if model_config.is_moe:
-        raise ValueError(
-            "speculative_tokens with a Qwen3.5-MoE checkpoint: a4 does not load its MTP module (its layer stores the "
-            "experts one by one); set speculative_tokens=0"
         )
     # Imported here: serving Qwen3 must not depend on Qwen3.5's modules.
     from a4.models.qwen3_5_mtp import load_mtp
