@@ -5,7 +5,9 @@ which writes PART.json into a scratch folder), one after the other, so that no s
 compiled kernels or imported modules:
 - floor: the GPU's memory bandwidth (a 1 GiB device-to-device copy, bytes read plus written per second) and its dense
   bf16 matrix-multiply rate (one 8192^3 GEMM), with the model's bytes (`a4.bench._floor.ModelBytes`);
-- a4: the engine with CUDA graphs for decode (`cuda_graphs=True`); a4_no_graphs: the same with `cuda_graphs=False`;
+- a4: the engine with CUDA graphs for decode (`cuda_graphs=True`) and overlap scheduling (the CUDA default);
+  a4_no_graphs: the same with `cuda_graphs=False`; a4_no_overlap: with graphs, `overlap_schedule=False` (each step
+  booked before the next is scheduled);
 - transformers: `generate` with its torch Gated DeltaNet (flash-linear-attention cannot be imported in its process);
 - transformers_fla: the same with flash-linear-attention, where it is installed (transformers picks it up by itself);
 - context: one GDN layer, one full-attention layer and the whole model decoding one token, at contexts of 1k to 128k,
@@ -76,8 +78,15 @@ from a4.kernels import TRANSFORMERS_KERNEL_PACKAGES
 DEFAULT_OUT_DIR = REPO_ROOT / "solutions" / "report"
 DTYPE_NAME = "bfloat16"
 DTYPE = getattr(torch, DTYPE_NAME)
-GRAPHS = {"a4": True, "a4_no_graphs": False}  # the a4 systems and their `cuda_graphs`
-SYSTEMS = (*GRAPHS, "transformers", "transformers_fla")
+# The throughput part's engines: the default one first (its figures are the part's), then the others by name.
+THROUGHPUT_VARIANTS = {"default": {}, "no_overlap": {"overlap_schedule": False}, "mixed": {"enable_mixed_chunk": True}}
+# The a4 systems and their engine options.
+A4_SYSTEMS = {
+    "a4": {"cuda_graphs": True},
+    "a4_no_graphs": {"cuda_graphs": False},
+    "a4_no_overlap": {"cuda_graphs": True, "overlap_schedule": False},
+}
+SYSTEMS = (*A4_SYSTEMS, "transformers", "transformers_fla")
 PARTS = ("floor", *SYSTEMS, "context", "throughput", "spec", "moe", "moe_spec")
 MOE_PARTS = ("moe", "moe_spec")  # the parts that draw Qwen3.5-MoE's weights themselves
 FLA_DISTRIBUTIONS = ("flash-linear-attention", "fla-core")
@@ -176,7 +185,7 @@ def measure_system(name: str, model_dir: Path, workload: Workload, device: torch
     from a4.models.config import load_model_config
 
     runner = make_runner(name, model_dir, workload, device)
-    profile = name in GRAPHS and device.type == "cuda"
+    profile = name in A4_SYSTEMS and device.type == "cuda"
     return time_runner(runner, load_model_config(model_dir), workload, workload.batches, device, profile)
 
 
@@ -224,26 +233,33 @@ def measure_throughput(model_dir: Path, workload: Workload, device: torch.device
     output_lens = [draw.randint(low, high) for _ in range(n)]
     config = load_model_config(model_dir)
     prompts = random_prompts(input_lens, config.vocab_size, config.eos_token_ids, seed=0)
-    llm = LLM(
-        model_dir, dtype=DTYPE_NAME, device=device, max_running_requests=n, max_prefill_tokens=MAX_PREFILL_TOKENS,
-        enable_prefix_cache=False, cuda_graphs=True,
-    )  # fmt: skip
-    llm.generate(prompts[:2], SamplingParams(max_new_tokens=4, ignore_eos=True))  # warm-up
     params = [SamplingParams(max_new_tokens=m, ignore_eos=True) for m in output_lens]
-    start = time.perf_counter()
-    outputs = llm.generate(prompts, params)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    seconds = time.perf_counter() - start
-    output_tokens = sum(len(output.token_ids) for output in outputs)
-    return {
-        "requests": n,
-        "input_tokens": sum(input_lens),
-        "output_tokens": output_tokens,
-        "seconds": seconds,
-        "input_tok_per_s": sum(input_lens) / seconds,
-        "output_tok_per_s": output_tokens / seconds,
-    }
+    results = {}
+    # The engine as it runs by default, then without overlap scheduling and with mixed steps: one engine at a time
+    # (each takes the device's free memory for its pools).
+    for variant, options in THROUGHPUT_VARIANTS.items():
+        llm = LLM(model_dir, dtype=DTYPE_NAME, device=device, max_running_requests=n,
+                  max_prefill_tokens=MAX_PREFILL_TOKENS, enable_prefix_cache=False, cuda_graphs=True, **options)  # fmt: skip
+        llm.generate(prompts[:2], SamplingParams(max_new_tokens=4, ignore_eos=True))  # warm-up
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, params)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        seconds = time.perf_counter() - start
+        output_tokens = sum(len(output.token_ids) for output in outputs)
+        results[variant] = {
+            "requests": n,
+            "input_tokens": sum(input_lens),
+            "output_tokens": output_tokens,
+            "seconds": seconds,
+            "input_tok_per_s": sum(input_lens) / seconds,
+            "output_tok_per_s": output_tokens / seconds,
+        }
+        llm.close()
+        del llm, outputs
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return {**results.pop("default"), **results}
 
 
 @torch.inference_mode()
@@ -363,15 +379,15 @@ def moe_config_dir(workload: Workload) -> Path:
 def make_runner(name: str, model_dir: Path, workload: Workload, device: torch.device):
     from a4.bench.engine import A4Runner, TransformersRunner
 
-    if name in GRAPHS:
+    if name in A4_SYSTEMS:
         return A4Runner(
             model_dir,
             DTYPE_NAME,
             max_prefill_tokens=MAX_PREFILL_TOKENS,
             device=device,
             max_running_requests=max(workload.batches),
-            # On a CPU, True runs the static decode buffers without capture, False the plain decode.
-            cuda_graphs=GRAPHS[name],
+            # On a CPU, cuda_graphs=True runs the static decode buffers without capture, False the plain decode.
+            **A4_SYSTEMS[name],
         )
     runner = TransformersRunner(model_dir, DTYPE_NAME, device=device)
     if (name == "transformers_fla") != kernel_package_imported("fla"):
@@ -679,7 +695,7 @@ def assemble(parts: dict[str, dict], workload: Workload, meta: dict) -> dict:
         report["decode_vs_context"] = {"context": list(workload.contexts), "batch": 1, **parts["context"]}
     report["launch_profile"] = [
         {"system": name, **profile}
-        for name in ("a4_no_graphs", "a4")
+        for name in ("a4_no_graphs", "a4_no_overlap", "a4")
         for profile in with_floors(parts.get(name, {}).get("launch_profile", []), report["floor"])
     ]
     return report
