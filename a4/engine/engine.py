@@ -243,6 +243,14 @@ class Engine:
                 self.scheduler.abort_req(req, "abort", error)
                 self.sampler.remove_req(req)
 
+    def finish_req(self, req: Req, reason: str = "stop") -> None:
+        """Finish a decoding request now, as at an end-of-sequence token (its KV and state enter the prefix cache, so
+        the next turn of its conversation reuses them): a stop condition its caller found between two steps."""
+        with self.serving():
+            self.scheduler.finish_req(req, reason)
+            self.sampler.remove_req(req)
+            self.stats.cached_tokens += req.prefix_hit_len
+
     def _record(self, batch: Batch, seconds: float, result: StepResult) -> None:
         """Count the step: a decode step's requests may gain more than one token each (drafts)."""
         stats = self.stats

@@ -21,6 +21,7 @@ from a4.engine.engine import Engine, EngineConfig
 from a4.engine.stats import EngineStats
 from a4.server.app import create_app
 from a4.server.engine_loop import EngineLoop
+from a4.server.limits import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_REQUEST_BODY_TIMEOUT
 from a4.server.metrics import ServerMetrics
 
 DEFAULT_MAX_QUEUED_REQUESTS = 128
@@ -43,17 +44,25 @@ def build_app(
     *,
     served_model_name: str | None = None,
     max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS,
+    api_key: str | None = None,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    request_body_timeout: float = DEFAULT_REQUEST_BODY_TIMEOUT,
+    enable_special_tokens_in_messages: bool = False,
     **engine_options: Any,
 ) -> FastAPI:
     """The app serving the checkpoint in model_dir; `engine_options`: EngineConfig's fields. The model's name in the
-    API is `served_model_name`, by default the directory's name."""
+    API is `served_model_name`, by default the directory's name; the other options are `create_app`'s."""
     if isinstance(max_queued_requests, bool) or not isinstance(max_queued_requests, int) or max_queued_requests < 0:
         raise ValueError(f"max_queued_requests must be a non-negative integer, got {max_queued_requests!r}")
     engine = Engine(EngineConfig(model_dir, **engine_options))
     if engine.runner.device.type == "cuda":
         warm_up(engine)
-    engine_loop = EngineLoop(engine, ServerMetrics(engine), max_queued_requests)
-    return create_app(engine_loop, tokenizer, served_model_name or Path(model_dir).name)
+    engine_loop = EngineLoop(engine, tokenizer.backend_tokenizer, ServerMetrics(engine), max_queued_requests)
+    return create_app(
+        engine_loop, tokenizer, served_model_name or Path(model_dir).name, api_key=api_key,
+        max_request_bytes=max_request_bytes, request_body_timeout=request_body_timeout,
+        enable_special_tokens_in_messages=enable_special_tokens_in_messages,
+    )  # fmt: skip
 
 
 def warm_up(engine: Engine) -> None:

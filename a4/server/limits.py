@@ -1,0 +1,71 @@
+"""The request body's limits, checked as it arrives (an ASGI middleware in front of the routes).
+
+- Size: a body over `max_bytes` is a 413 at once: refused on its Content-Length before any of it is read, or, sent
+  in chunks without one, as soon as the bytes received pass the limit. The connection is closed after the answer,
+  so that the rest of the body is never read.
+- Time: the whole body must arrive within `timeout` seconds of the headers; a client that sends part of it and
+  stalls gets a 408 and its connection closed, and holds nothing meanwhile (uvicorn itself has no such timeout: its
+  keep-alive timeout runs only between requests).
+The routes never see a refused body: what they answered is dropped for the refusal.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from a4.server.errors import APIError
+
+DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20  # some 1M tokens of prompt text, far more than a context holds
+DEFAULT_REQUEST_BODY_TIMEOUT = 30.0  # seconds
+
+
+def too_large(max_bytes: int) -> APIError:
+    return APIError(413, f"the request body is larger than the server's limit of {max_bytes} bytes",
+                    code="request_too_large", headers={"Connection": "close"})  # fmt: skip
+
+
+class RequestLimitsMiddleware:
+    def __init__(self, app: ASGIApp, max_bytes: int, timeout: float) -> None:
+        if max_bytes <= 0 or timeout <= 0:
+            raise ValueError(f"max_bytes and timeout must be positive, got {max_bytes} and {timeout}")
+        self.app, self.max_bytes, self.timeout = app, max_bytes, timeout
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = next((value for name, value in scope["headers"] if name == b"content-length"), None)
+        if length is not None and length.isdigit() and int(length) > self.max_bytes:
+            await too_large(self.max_bytes).response()(scope, receive, send)
+            return
+        deadline = time.monotonic() + self.timeout
+        received, body_done, refusal = 0, False, None
+
+        async def guarded_receive() -> Message:
+            nonlocal received, body_done, refusal
+            if body_done or refusal is not None:
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), max(deadline - time.monotonic(), 0))
+            except TimeoutError:
+                refusal = APIError(408, f"the request body did not arrive within {self.timeout:g} s",
+                                   code="request_timeout", headers={"Connection": "close"})  # fmt: skip
+                return {"type": "http.disconnect"}
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                body_done = not message.get("more_body", False)
+                if received > self.max_bytes:
+                    refusal = too_large(self.max_bytes)
+                    return {"type": "http.disconnect"}
+            return message
+
+        async def guarded_send(message: Message) -> None:
+            if refusal is None:
+                await send(message)
+
+        await self.app(scope, guarded_receive, guarded_send)
+        if refusal is not None:
+            await refusal.response()(scope, receive, send)
