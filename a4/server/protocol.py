@@ -59,7 +59,7 @@ class GenerationRequest(StrictModel):
     top_p: float = Field(1.0, gt=0, le=1, allow_inf_nan=False)
     top_k: int = Field(0, ge=0)  # extension; 0: no top-k cut
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
-    stop: Text | list[Text] | None = None
+    stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # extension: generate max_tokens whatever the model says (benchmarks)
@@ -75,6 +75,15 @@ class GenerationRequest(StrictModel):
         if np.float32(top_p) < np.finfo(np.float32).tiny:
             raise ValueError(f"must be at least {np.finfo(np.float32).tiny:.3g} (the sampler works in float32)")
         return top_p
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _unicode_stop(cls, stop: object) -> object:
+        # Before the union, whose errors would name its members.
+        for text in [stop] if isinstance(stop, str) else stop if isinstance(stop, list) else []:
+            if isinstance(text, str):
+                _unicode_text(text)
+        return stop
 
     @field_validator("stop")
     @classmethod
@@ -189,16 +198,21 @@ class TextPart(StrictModel):
 class ChatMessage(StrictModel):
     # "developer" is OpenAI's newer name for "system" (its instructions to the model).
     role: Literal["system", "developer", "user", "assistant"]
-    content: Text | list[TextPart]
+    content: str | list[TextPart]
 
     @field_validator("content", mode="before")
     @classmethod
-    def _text_parts_only(cls, content: object) -> object:
-        if isinstance(content, list):
+    def _unicode_text_parts(cls, content: object) -> object:
+        # Before the union, whose errors would name its members.
+        if isinstance(content, str):
+            _unicode_text(content)
+        elif isinstance(content, list):
             for i, part in enumerate(content):
                 kind = part.get("type") if isinstance(part, dict) else None
                 if kind != "text":
                     raise ValueError(f"part {i} is of type {kind!r}: a4 serves text models, only 'text' parts")
+                if isinstance(part.get("text"), str):
+                    _unicode_text(part["text"])
         return content
 
     def template_message(self) -> dict[str, str]:
