@@ -118,9 +118,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="larger request bodies get 413 at once (default: DEFAULT_MAX_REQUEST_BYTES in a4/server/limits.py)",
     )
     serve.add_argument(
-        "--timeout-request-body", type=positive_float, dest="request_body_timeout", default=argparse.SUPPRESS,
-        help="seconds a request's body may take to arrive; slower ones get 408 and are dropped (default: "
-        "DEFAULT_REQUEST_BODY_TIMEOUT in a4/server/limits.py)",
+        "--timeout-request", type=positive_float, dest="request_timeout", default=argparse.SUPPRESS,
+        help="seconds a request may take to arrive: its headers, then its body; slower ones are dropped (default: "
+        "DEFAULT_REQUEST_TIMEOUT in a4/server/limits.py)",
     )
     serve.add_argument(
         "--enable-special-tokens-in-messages", action="store_true", default=argparse.SUPPRESS,
@@ -454,7 +454,7 @@ def run_serve(args: argparse.Namespace) -> int:
     model_dir = model_dir_or_fail(args.model_dir) if args.model_dir is not None else default_model_dir()
     tokenizer = load_tokenizer(model_dir, "serve", "give --model-dir a checkpoint with its tokenizer files")
     # The flags given, and only those: the defaults are build_app's and EngineConfig's.
-    server_options = ("max_queued_requests", "max_request_bytes", "request_body_timeout",
+    server_options = ("max_queued_requests", "max_request_bytes", "request_timeout",
                       "enable_special_tokens_in_messages")  # fmt: skip
     options = {name: getattr(args, name) for name in (*OPTIONS, *server_options) if hasattr(args, name)}
     api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV)

@@ -21,7 +21,7 @@ from a4.server.prompts import PromptEncoder
 KEY = "sekrit-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 MAX_REQUEST_BYTES = 64 * 1024
-BODY_TIMEOUT = 2.0
+REQUEST_TIMEOUT = 2.0
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +33,7 @@ def tokenizer(chat_model_dir):
 def server(chat_model_dir, tokenizer):
     """With an API key and small limits on a request's body."""
     app = build_app(chat_model_dir, tokenizer, max_running_requests=4, api_key=KEY,
-                    max_request_bytes=MAX_REQUEST_BYTES, request_body_timeout=BODY_TIMEOUT)  # fmt: skip
+                    max_request_bytes=MAX_REQUEST_BYTES, request_timeout=REQUEST_TIMEOUT)  # fmt: skip
     with running_server(app) as base_url:
         yield base_url, app
 
@@ -216,6 +216,14 @@ def test_a_half_sent_request_is_dropped_and_others_are_served_meanwhile(server):
         assert serves(base_url)
         answer = read_all(sock)  # returns once the server has closed the connection
     assert answer.startswith(b"HTTP/1.1 408 ") and b'"code":"request_timeout"' in answer
+    assert serves(base_url)
+
+
+def test_a_request_whose_headers_stall_is_dropped(server):
+    base_url, _ = server
+    with raw_request(base_url, b"POST /v1/completions HTTP/1.1\r\nHost: a4\r\nContent-Type: appli") as sock:
+        assert serves(base_url)
+        assert read_all(sock) == b""  # closed, without an answer: there was no request to answer
     assert serves(base_url)
 
 

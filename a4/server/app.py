@@ -41,7 +41,7 @@ from a4.engine.validation import prompt_error
 from a4.server.auth import APIKeyMiddleware
 from a4.server.engine_loop import EngineLoop, RequestStream, Unavailable
 from a4.server.errors import APIError, unavailable
-from a4.server.limits import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_REQUEST_BODY_TIMEOUT, RequestLimitsMiddleware
+from a4.server.limits import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_REQUEST_TIMEOUT, RequestLimitsMiddleware
 from a4.server.prompts import PromptEncoder
 from a4.server.protocol import (
     FINISH_REASONS,
@@ -115,7 +115,7 @@ class Pieces:
 
 def create_app(
     engine_loop: EngineLoop, tokenizer, model_name: str, *, api_key: str | None = None,
-    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, request_body_timeout: float = DEFAULT_REQUEST_BODY_TIMEOUT,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, request_timeout: float = DEFAULT_REQUEST_TIMEOUT,
     enable_special_tokens_in_messages: bool = False,
 ) -> FastAPI:  # fmt: skip
     """The server of one model: `tokenizer` is its transformers tokenizer (with the chat template). `api_key`: the
@@ -133,7 +133,8 @@ def create_app(
     app = FastAPI(title="a4", lifespan=lifespan)
     app.state.engine_loop = engine_loop  # for tests and notebooks: the engine behind the app
     app.state.prompt_encoder = encoder
-    app.add_middleware(RequestLimitsMiddleware, max_bytes=max_request_bytes, timeout=request_body_timeout)
+    app.state.request_timeout = request_timeout  # for uvicorn's protocol (launch.uvicorn_config)
+    app.add_middleware(RequestLimitsMiddleware, max_bytes=max_request_bytes, timeout=request_timeout)
     if api_key is not None:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)  # outermost: a request without the key reads nothing
 

@@ -21,7 +21,7 @@ from a4.engine.engine import Engine, EngineConfig
 from a4.engine.stats import EngineStats
 from a4.server.app import create_app
 from a4.server.engine_loop import EngineLoop
-from a4.server.limits import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_REQUEST_BODY_TIMEOUT
+from a4.server.limits import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_REQUEST_TIMEOUT, HeadersTimeoutProtocol
 from a4.server.metrics import ServerMetrics
 
 DEFAULT_MAX_QUEUED_REQUESTS = 128
@@ -46,7 +46,7 @@ def build_app(
     max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS,
     api_key: str | None = None,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-    request_body_timeout: float = DEFAULT_REQUEST_BODY_TIMEOUT,
+    request_timeout: float = DEFAULT_REQUEST_TIMEOUT,
     enable_special_tokens_in_messages: bool = False,
     **engine_options: Any,
 ) -> FastAPI:
@@ -60,7 +60,7 @@ def build_app(
     engine_loop = EngineLoop(engine, tokenizer.backend_tokenizer, ServerMetrics(engine), max_queued_requests)
     return create_app(
         engine_loop, tokenizer, served_model_name or Path(model_dir).name, api_key=api_key,
-        max_request_bytes=max_request_bytes, request_body_timeout=request_body_timeout,
+        max_request_bytes=max_request_bytes, request_timeout=request_timeout,
         enable_special_tokens_in_messages=enable_special_tokens_in_messages,
     )  # fmt: skip
 
@@ -80,6 +80,13 @@ def warm_up(engine: Engine) -> None:
     engine.stats = EngineStats()
 
 
+def uvicorn_config(app: FastAPI, **options: Any) -> uvicorn.Config:
+    """uvicorn's config for an app of `build_app`: its HTTP/1.1 protocol drops a request whose headers take longer
+    than the app's request timeout (limits.py)."""
+    protocol = HeadersTimeoutProtocol.with_headers_timeout(app.state.request_timeout)
+    return uvicorn.Config(app, http=protocol, **options)
+
+
 class Server(uvicorn.Server):
     """uvicorn's server, which ends the app's requests in flight as it begins to shut down."""
 
@@ -95,6 +102,6 @@ def run_server(app: FastAPI, host: str, port: int) -> None:
     given Python's SIGINT handler, so that both end here as a KeyboardInterrupt and the process exits normally."""
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
-        Server(uvicorn.Config(app, host=host, port=port, timeout_graceful_shutdown=SHUTDOWN_GRACE_SECONDS)).run()
+        Server(uvicorn_config(app, host=host, port=port, timeout_graceful_shutdown=SHUTDOWN_GRACE_SECONDS)).run()
     except KeyboardInterrupt:
         pass
