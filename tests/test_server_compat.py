@@ -102,10 +102,9 @@ def test_several_prompts_get_one_choice_each_batched_in_the_engine(server, chat_
     steps_before, request_steps_before = stats.decode_steps, stats.decode_request_steps
     request = dict(model=MODEL, prompt=prompt, max_tokens=10, temperature=0)
     if stream:
-        chunks = list(client(base_url).completions.create(**request, stream=True))
-        got = [("".join(c.choices[0].text for c in chunks if c.choices[0].index == i),
-                next(c.choices[0].finish_reason for c in chunks if c.choices[0].index == i and c.choices[0].finish_reason))
-               for i in range(len(ids))]  # fmt: skip
+        choices = [chunk.choices[0] for chunk in client(base_url).completions.create(**request, stream=True)]
+        got = [("".join(c.text for c in choices if c.index == i),
+                next(c.finish_reason for c in choices if c.index == i and c.finish_reason)) for i in range(len(ids))]
     else:
         response = client(base_url).completions.create(**request)
         assert [choice.index for choice in response.choices] == list(range(len(ids)))

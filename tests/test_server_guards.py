@@ -5,6 +5,7 @@ socket where the request itself must be broken)."""
 
 from __future__ import annotations
 
+import copy
 import socket
 import threading
 from urllib.parse import urlsplit
@@ -98,9 +99,11 @@ def test_a_stop_string_finishes_as_stop_and_its_conversation_reuses_the_reply(se
                                                           temperature=0, stop=stop)  # fmt: skip
     assert (first.choices[0].message.content, first.choices[0].finish_reason) == (text[: text.index(stop)], "stop")
     after = metric_values(base_url)
-    counted = {reason: after.get(f'a4:requests_finished_total{{finish_reason="{reason}"}}', 0)
-               - before.get(f'a4:requests_finished_total{{finish_reason="{reason}"}}', 0) for reason in ("stop", "abort")}  # fmt: skip
-    assert counted == {"stop": 1, "abort": 0}
+
+    def finished(values: dict[str, float], reason: str) -> float:
+        return values.get(f'a4:requests_finished_total{{finish_reason="{reason}"}}', 0)
+
+    assert [finished(after, reason) - finished(before, reason) for reason in ("stop", "abort")] == [1, 0]
     # The next turn finds the first turn's prompt and its reply up to the stop string in the prefix cache (with the
     # state there): more than the first prompt alone, which an aborted request would leave.
     messages += [{"role": "assistant", "content": first.choices[0].message.content},
@@ -161,6 +164,15 @@ def test_special_token_text_in_a_message_is_encoded_as_plain_text(tokenizer):
     assert PromptEncoder(tokenizer, enable_special_tokens_in_messages=True).chat(messages) == chat_prompt(
         tokenizer, messages
     )
+
+
+def test_a_template_that_rewrites_contents_refuses_special_token_text_rather_than_guess(tokenizer):
+    trimming = copy.deepcopy(tokenizer)
+    trimming.chat_template = tokenizer.chat_template.replace("message['content']", "(message['content'] | trim)")
+    with pytest.raises(ValueError, match="changes message contents"):
+        PromptEncoder(trimming).chat([{"role": "user", "content": f" {INJECTION} "}])
+    plain = [{"role": "user", "content": " Hi. "}]
+    assert PromptEncoder(trimming).chat(plain) == chat_prompt(trimming, plain)
 
 
 def test_the_server_generates_from_the_plain_text_encoding(server, chat_model_dir, tokenizer):

@@ -233,7 +233,8 @@ def create_app(
                 lasts = [rest[-1] if rest else first for first, rest in zip(firsts, rests)]
                 texts = ["".join(piece.text for piece in [first, *rest]) for first, rest in zip(firsts, rests)]
                 choices = [(text, last.finish_reason) for text, last in zip(texts, lasts)]
-                return JSONResponse(render.response(choices, UsageInfo.total([last.usage for last in lasts])).model_dump())
+                usage = UsageInfo.total([last.usage for last in lasts])
+                return JSONResponse(render.response(choices, usage).model_dump())
         except ClientGone:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         except APIError as error:

@@ -24,7 +24,7 @@ import logging
 import queue
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from tokenizers import Tokenizer
 

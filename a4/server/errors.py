@@ -1,4 +1,4 @@
-"""Errors in OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`, as every route and guard answers them."""
+"""Errors in OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`, as the routes and guards answer them."""
 
 from __future__ import annotations
 

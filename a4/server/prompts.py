@@ -30,7 +30,8 @@ class PromptEncoder:
         self.enable_special_tokens_in_messages = enable_special_tokens_in_messages
         self._special_ids = {token.content: i for i, token in tokenizer.added_tokens_decoder.items() if token.special}
         longest_first = sorted(self._special_ids, key=len, reverse=True)
-        self._special_text = re.compile("|".join(map(re.escape, longest_first))) if longest_first else None
+        # Capturing: `split` keeps the special tokens found.
+        self._special_text = re.compile(f"({'|'.join(map(re.escape, longest_first))})") if longest_first else None
         # A copy that reads special-token text as plain text; set once, so that threads can share it.
         self._plain = Tokenizer.from_str(tokenizer.backend_tokenizer.to_str())
         self._plain.encode_special_tokens = True
@@ -80,9 +81,7 @@ class PromptEncoder:
 
     def _split_special(self, text: str) -> list[str]:
         """text, then each special token found in it and the text after it, alternately."""
-        if self._special_text is None:
-            return [text]
-        return re.split(f"({self._special_text.pattern})", text)
+        return [text] if self._special_text is None else self._special_text.split(text)
 
     def _encode_plain(self, text: str) -> list[int]:
         return self._plain.encode(text, add_special_tokens=False).ids if text else []

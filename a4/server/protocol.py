@@ -12,10 +12,10 @@ and vLLM accept too. A completion's `prompt` may be several prompts (texts, or l
 from __future__ import annotations
 
 import time
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 import numpy as np
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from a4.core import SamplingParams
 
@@ -31,9 +31,6 @@ def _unicode_text(text: str) -> str:
     except UnicodeEncodeError as e:
         raise ValueError(f"not valid Unicode text: a lone surrogate {text[e.start]!r} at character {e.start}") from None
     return text
-
-
-Text = Annotated[str, AfterValidator(_unicode_text)]
 
 
 def _not_supported(detail: str = "") -> ValueError:
@@ -158,9 +155,8 @@ class CompletionRequest(GenerationRequest):
 
         several = isinstance(prompt, list) and all(isinstance(one, str) or is_token_ids(one) for one in prompt)
         if not (isinstance(prompt, str) or is_token_ids(prompt) or several):
-            raise ValueError(
-                f"must be text, a list of token ids (integers), or a list of either (several prompts), got {prompt!r:.60}"
-            )
+            raise ValueError(f"must be text, a list of token ids (integers), or a list of either (several prompts), "
+                             f"got {prompt!r:.60}")  # fmt: skip
         if not prompt:
             raise ValueError("must not be empty")
         for text in [prompt] if isinstance(prompt, str) else prompt:
@@ -192,7 +188,7 @@ class CompletionRequest(GenerationRequest):
 
 class TextPart(StrictModel):
     type: Literal["text"]
-    text: Text
+    text: str  # checked as Unicode by ChatMessage
 
 
 class ChatMessage(StrictModel):

@@ -25,8 +25,8 @@ class CompletionRender:
 
     def response(self, choices: list[tuple[str, str]], usage: UsageInfo) -> CompletionResponse:
         """`choices`: each prompt's text and finish reason, in order."""
-        choices = [CompletionChoice(index=i, text=text, finish_reason=reason) for i, (text, reason) in enumerate(choices)]
-        return CompletionResponse(id=self.request_id, model=self.model, choices=choices, usage=usage)
+        bodies = [CompletionChoice(index=i, text=text, finish_reason=why) for i, (text, why) in enumerate(choices)]
+        return CompletionResponse(id=self.request_id, model=self.model, choices=bodies, usage=usage)
 
     def opening_chunk(self, usage: UsageInfo | None) -> BaseModel | None:
         return None
