@@ -457,7 +457,8 @@ def run_serve(args: argparse.Namespace) -> int:
     server_options = ("max_queued_requests", "max_request_bytes", "request_timeout",
                       "enable_special_tokens_in_messages")  # fmt: skip
     options = {name: getattr(args, name) for name in (*OPTIONS, *server_options) if hasattr(args, name)}
-    api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV)
+    # An empty variable is no key (as if unset); an empty flag is a mistake, which build_app names.
+    api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
     app = build_app(model_dir, tokenizer, served_model_name=args.served_model_name, api_key=api_key, **options)
     print(f"serving {model_dir} (uvicorn names the address below; Ctrl-C stops it)", flush=True)
     run_server(app, args.host, args.port)

@@ -16,6 +16,7 @@ import pytest
 from server_helpers import MODEL, WAIT_SECONDS, client, metric_values, reference, running_server
 from transformers import AutoTokenizer
 
+from a4.__main__ import main
 from a4.server.launch import build_app
 from a4.server.prompts import PromptEncoder
 
@@ -132,6 +133,15 @@ def test_the_v1_routes_need_the_api_key_health_and_metrics_do_not(server):
     assert [model.id for model in client(base_url, KEY).models.list().data] == [MODEL]
     assert httpx.get(f"{base_url}/health").status_code == 200
     assert "a4:num_requests_running" in httpx.get(f"{base_url}/metrics").text
+
+
+def test_an_empty_api_key_or_a_limit_of_zero_is_refused_before_the_engine_loads(chat_model_dir, tokenizer, capsys):
+    for option, value, says in (("api_key", "", "API key"), ("max_request_bytes", 0, "max_request_bytes"),
+                                ("request_timeout", 0, "request_timeout")):  # fmt: skip
+        with pytest.raises(ValueError, match=says):
+            build_app(chat_model_dir, tokenizer, **{option: value})
+    assert main(["serve", "--model-dir", str(chat_model_dir), "--api-key", ""]) == 2
+    assert "API key" in capsys.readouterr().err
 
 
 # --------------------------------------------------------------------------------------- chat-template injection

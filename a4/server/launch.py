@@ -54,6 +54,13 @@ def build_app(
     API is `served_model_name`, by default the directory's name; the other options are `create_app`'s."""
     if isinstance(max_queued_requests, bool) or not isinstance(max_queued_requests, int) or max_queued_requests < 0:
         raise ValueError(f"max_queued_requests must be a non-negative integer, got {max_queued_requests!r}")
+    # Checked before the engine loads (the middlewares are only built when uvicorn starts).
+    if api_key == "":
+        raise ValueError("the API key must not be empty (no key: leave it out)")
+    if isinstance(max_request_bytes, bool) or not isinstance(max_request_bytes, int) or max_request_bytes <= 0:
+        raise ValueError(f"max_request_bytes must be a positive integer, got {max_request_bytes!r}")
+    if not request_timeout > 0:
+        raise ValueError(f"request_timeout must be a positive number of seconds, got {request_timeout!r}")
     engine = Engine(EngineConfig(model_dir, **engine_options))
     if engine.runner.device.type == "cuda":
         warm_up(engine)

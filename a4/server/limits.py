@@ -32,8 +32,6 @@ def too_large(max_bytes: int) -> APIError:
 
 class RequestLimitsMiddleware:
     def __init__(self, app: ASGIApp, max_bytes: int, timeout: float) -> None:
-        if max_bytes <= 0 or timeout <= 0:
-            raise ValueError(f"max_bytes and timeout must be positive, got {max_bytes} and {timeout}")
         self.app, self.max_bytes, self.timeout = app, max_bytes, timeout
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
