@@ -181,8 +181,8 @@ def create_app(
         if len(body.prompts) > engine_loop.capacity:
             raise APIError(400, f"prompt: {len(body.prompts)} prompts in one request, more than the server holds at "
                                 f"once ({engine_loop.capacity}): send fewer", param="prompt")  # fmt: skip
-        prompts = [await run_in_threadpool(checked_prompt, encoder.text, p) if isinstance(p, str) else
-                   await run_in_threadpool(checked_prompt, list, p) for p in body.prompts]  # fmt: skip
+        prompts = [await run_in_threadpool(checked_prompt, encoder.text if isinstance(p, str) else list, p)
+                   for p in body.prompts]  # fmt: skip
         render = CompletionRender(f"cmpl-{uuid.uuid4().hex}", model_name)
         # OpenAI's default for completions: 16 tokens.
         return await respond(request, body, prompts, render, default_max_tokens=16)
