@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import math
+import os
 import pkgutil
 import random
 import re
@@ -107,6 +109,24 @@ def build_parser() -> argparse.ArgumentParser:
         help="requests that may wait beyond the running ones; past them the server answers 503 (default: "
         "DEFAULT_MAX_QUEUED_REQUESTS in a4/server/launch.py)",
     )
+    serve.add_argument(
+        "--api-key", help="require 'Authorization: Bearer KEY' on the /v1/ routes (default: the A4_API_KEY "
+        "environment variable, if set; a flag shows in the process list, the variable does not)",
+    )
+    serve.add_argument(
+        "--max-request-bytes", type=positive_int, default=argparse.SUPPRESS,
+        help="larger request bodies get 413 at once (default: DEFAULT_MAX_REQUEST_BYTES in a4/server/limits.py)",
+    )
+    serve.add_argument(
+        "--timeout-request", type=positive_float, dest="request_timeout", default=argparse.SUPPRESS,
+        help="seconds a request may take to arrive: its headers, then its body; slower ones are dropped (default: "
+        "DEFAULT_REQUEST_TIMEOUT in a4/server/limits.py)",
+    )
+    serve.add_argument(
+        "--enable-special-tokens-in-messages", action="store_true", default=argparse.SUPPRESS,
+        help="read special-token text in chat messages as special tokens (transformers' behaviour: a user can then "
+        "forge turns of other roles); by default it is plain text",
+    )
     add_engine_options(serve)
     serve.set_defaults(run=run_serve)
 
@@ -136,6 +156,13 @@ def positive_int(text: str) -> int:
     value = int(text)
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    value = float(text)
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
     return value
 
 
@@ -421,13 +448,18 @@ def load_tokenizer(model_dir: Path, needed_by: str = "--text", alternative: str 
 
 def run_serve(args: argparse.Namespace) -> int:
     from a4.llm import OPTIONS
+    from a4.server.auth import API_KEY_ENV
     from a4.server.launch import build_app, default_model_dir, run_server
 
     model_dir = model_dir_or_fail(args.model_dir) if args.model_dir is not None else default_model_dir()
     tokenizer = load_tokenizer(model_dir, "serve", "give --model-dir a checkpoint with its tokenizer files")
     # The flags given, and only those: the defaults are build_app's and EngineConfig's.
-    options = {name: getattr(args, name) for name in (*OPTIONS, "max_queued_requests") if hasattr(args, name)}
-    app = build_app(model_dir, tokenizer, served_model_name=args.served_model_name, **options)
+    server_options = ("max_queued_requests", "max_request_bytes", "request_timeout",
+                      "enable_special_tokens_in_messages")  # fmt: skip
+    options = {name: getattr(args, name) for name in (*OPTIONS, *server_options) if hasattr(args, name)}
+    # An empty variable is no key (as if unset); an empty flag is a mistake, which build_app names.
+    api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
+    app = build_app(model_dir, tokenizer, served_model_name=args.served_model_name, api_key=api_key, **options)
     print(f"serving {model_dir} (uvicorn names the address below; Ctrl-C stops it)", flush=True)
     run_server(app, args.host, args.port)
     return 0

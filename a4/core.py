@@ -17,7 +17,7 @@ from typing import Literal, Protocol
 import torch
 
 
-FinishReason = Literal["eos", "length", "error", "abort"]
+FinishReason = Literal["eos", "length", "stop", "error", "abort"]
 
 
 @dataclass(frozen=True)
@@ -90,8 +90,9 @@ class Req:
     tokens_in_flight: int = 0
     cache_handle: object | None = None
     finished: bool = False
-    # Why it finished: "eos", "length", "error" (then `error` says what is wrong) or "abort" (an exception stopped
-    # the step or the call that ran it, or the caller aborted it: `error` says which); None while it runs.
+    # Why it finished: "eos", "length", "stop" (its caller found a stop condition, Engine.finish_req), "error" (then
+    # `error` says what is wrong) or "abort" (an exception stopped the step or the call that ran it, or the caller
+    # aborted it: `error` says which); None while it runs.
     finish_reason: FinishReason | None = None
     error: str | None = None
     # The scheduler the request was submitted to (a request is submitted once, to one engine).

@@ -9,47 +9,29 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import queue
 import signal
-import subprocess
-import sys
 import threading
-import time
-from contextlib import contextmanager
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
+from server_helpers import (
+    MODEL,
+    WAIT_SECONDS,
+    chat_prompt_ids,
+    client,
+    launched_server,
+    long_stream,
+    metric_values,
+    reference,
+    running_server,
+    wait_for,
+)
 from transformers import AutoTokenizer
 
 from a4.reference import hf_greedy
 from a4.server.detokenizer import IncrementalDetokenizer
-from a4.server.inprocess import RunningApp
 from a4.server.launch import build_app
-
-REPO = Path(__file__).resolve().parent.parent
-WAIT_SECONDS = 60  # bound on any wait: server start, a slot freed, a process exit
-MODEL = "qwen3_5-tiny"  # the name the server gives the model: its directory's
-
-
-@contextmanager
-def running_server(app):
-    """Run the app under uvicorn in a thread of this process (as notebook 12 does); yields its base URL."""
-    running = RunningApp(app)
-    try:
-        yield running.url
-    finally:
-        running.stop(WAIT_SECONDS)  # raises if uvicorn did not shut down
-
-
-def wait_for(condition, what: str, seconds: float = WAIT_SECONDS) -> None:
-    deadline = time.monotonic() + seconds
-    while not condition():
-        if time.monotonic() > deadline:
-            pytest.fail(f"waited {seconds} s for {what}")
-        time.sleep(0.02)
 
 
 @pytest.fixture(scope="module")
@@ -70,23 +52,6 @@ def one_slot_server(chat_model_dir, tokenizer):
     app = build_app(chat_model_dir, tokenizer, max_running_requests=1, max_queued_requests=0)
     with running_server(app) as base_url:
         yield base_url, app.state.engine_loop
-
-
-def client(base_url: str) -> openai.OpenAI:
-    # No retries: a 503 must reach the test.
-    return openai.OpenAI(base_url=f"{base_url}/v1", api_key="none", max_retries=0)
-
-
-def reference(model_dir, tokenizer, prompt_ids: list[int], max_tokens: int) -> tuple[str, str, int]:
-    """transformers' greedy continuation: its text, OpenAI's finish reason, its number of tokens."""
-    [ids] = hf_greedy(model_dir, [prompt_ids], max_tokens)
-    finish = "length" if len(ids) == max_tokens and ids[-1] not in (1000, 1002) else "stop"
-    return tokenizer.decode(ids, skip_special_tokens=True), finish, len(ids)
-
-
-def chat_prompt_ids(tokenizer, messages) -> list[int]:
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    return tokenizer.encode(text, add_special_tokens=False)
 
 
 # ------------------------------------------------------------------------------------------------- generation
@@ -222,9 +187,9 @@ BAD_COMPLETIONS = [
     ("max_tokens negative", {"prompt": "x", "max_tokens": -3}, "max_tokens"),
     ("infinite temperature", b'{"prompt": "x", "temperature": 1e999}', "temperature"),
     ("NaN temperature", b'{"prompt": "x", "temperature": NaN}', "temperature"),
-    ("n > 1", {"prompt": "x", "n": 2}, None),
+    ("n > 1", {"prompt": "x", "n": 2}, "n"),
     ("unknown field", {"prompt": "x", "max_token": 8}, "max_token"),
-    ("stream_options without stream", {"prompt": "x", "stream_options": {"include_usage": True}}, None),
+    ("stream_options without stream", {"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
     ("empty prompt", {"prompt": []}, "prompt"),
     ("token outside the vocabulary", {"prompt": [1, 5000]}, "prompt"),
     ("prompt longer than the context", {"prompt": [7] * 5000}, "prompt"),
@@ -258,6 +223,10 @@ def test_bad_chat_messages_and_an_unknown_model(server):
         client(base_url).chat.completions.create(model=MODEL, messages=[], max_tokens=2)
     with pytest.raises(openai.BadRequestError, match="role"):
         client(base_url).chat.completions.create(model=MODEL, messages=[{"role": "bot", "content": "x"}], max_tokens=2)
+    with pytest.raises(openai.BadRequestError) as raised:
+        client(base_url).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
+                                                 max_tokens=2, max_completion_tokens=2)  # fmt: skip
+    assert raised.value.param == "max_completion_tokens"
     with pytest.raises(openai.NotFoundError) as raised:
         client(base_url).completions.create(model="gpt-5", prompt="x", max_tokens=2)
     assert raised.value.code == "model_not_found"
@@ -268,20 +237,8 @@ def test_bad_chat_messages_and_an_unknown_model(server):
 
 
 def running_and_slots(base_url: str) -> tuple[float, float]:
-    values = dict(line.split() for line in httpx.get(f"{base_url}/metrics").text.splitlines() if line.startswith("a4:"))
-    return float(values["a4:num_requests_running"]), float(values["a4:state_slots_used"])
-
-
-@contextmanager
-def long_stream(base_url: str):
-    """A streamed request that would run for a long time, open until the block ends (then the client hangs up);
-    yields the iterator of its lines after the first event."""
-    body = {"prompt": "x", "max_tokens": 4000, "temperature": 0, "ignore_eos": True, "stream": True}
-    with httpx.stream("POST", f"{base_url}/v1/completions", json=body, timeout=WAIT_SECONDS) as response:
-        assert response.status_code == 200
-        lines = response.iter_lines()
-        assert next(line for line in lines if line).startswith("data: ")
-        yield lines
+    values = metric_values(base_url)
+    return values["a4:num_requests_running"], values["a4:state_slots_used"]
 
 
 def test_past_the_queue_bound_a_503_with_retry_after(one_slot_server):
@@ -317,41 +274,30 @@ def test_a_disconnected_client_frees_its_slot(one_slot_server, chat_model_dir, t
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_a_signal_shuts_the_server_down_cleanly_even_mid_stream(chat_model_dir, signum):
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    process = subprocess.Popen(
-        [sys.executable, "-m", "a4", "serve", "--model-dir", str(chat_model_dir), "--port", "0"],
-        cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    lines: queue.Queue[str] = queue.Queue()
-    reader = threading.Thread(target=lambda: [lines.put(line) for line in process.stderr], daemon=True)
-    reader.start()
-    log = []
-    try:
-        base_url = None
-        deadline = time.monotonic() + WAIT_SECONDS
-        while base_url is None and time.monotonic() < deadline and process.poll() is None:
-            try:
-                log.append(line := lines.get(timeout=1))
-            except queue.Empty:
-                continue
-            if "Uvicorn running on " in line:
-                base_url = line.split("Uvicorn running on ")[1].split()[0]
-        assert base_url is not None, "the server did not start:\n" + "".join(log)
-        with long_stream(base_url) as events:
-            process.send_signal(signum)
+    # As a user starts it: one request at a time, its API key from the environment.
+    key = {"Authorization": "Bearer sekrit"}
+    with launched_server(chat_model_dir, "--max-running-requests", "1", env={"A4_API_KEY": "sekrit"}) as server:
+        assert httpx.get(f"{server.base_url}/v1/models").status_code == 401
+        with long_stream(server.base_url, headers=key) as events:
+            queued = []
+            body = {"prompt": "x", "max_tokens": 2}
+            waiting = threading.Thread(target=lambda: queued.append(httpx.post(
+                f"{server.base_url}/v1/completions", json=body, headers=key, timeout=WAIT_SECONDS)))  # fmt: skip
+            waiting.start()
+            wait_for(lambda: metric_values(server.base_url)["a4:num_requests_waiting"] == 1, "a request to queue")
+            server.process.send_signal(signum)
             # The request in flight is aborted, and its stream ends properly.
             *_, aborted, done = [event for event in events if event]
             assert "shutting down" in json.loads(aborted.removeprefix("data: "))["error"]["message"]
             assert done == "data: [DONE]"
-            process.wait(WAIT_SECONDS)
-    finally:
-        if process.poll() is None:
-            process.kill()
-            pytest.fail(f"{signum.name} did not stop the server within {WAIT_SECONDS} s")
-    reader.join(WAIT_SECONDS)
-    log += [lines.get() for _ in range(lines.qsize())]
-    assert process.returncode == 0, "".join(log)
-    assert "Application shutdown complete" in "".join(log) and "Traceback" not in "".join(log), "".join(log)
+            # The queued one is told to retry: the server had not started it.
+            waiting.join(WAIT_SECONDS)
+            [response] = queued
+            assert response.status_code == 503 and response.headers["Retry-After"] == "1", response.text
+            assert "shutting down" in response.json()["error"]["message"]
+        server.process.wait(WAIT_SECONDS)
+        assert server.process.returncode == 0, server.log
+        assert "Application shutdown complete" in server.log and "Traceback" not in server.log, server.log
 
 
 def test_the_gpu_warm_up_leaves_the_engine_as_built(chat_model_dir):

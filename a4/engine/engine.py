@@ -267,6 +267,14 @@ class Engine:
                 self.scheduler.abort_req(req, "abort", error)
                 self.sampler.remove_req(req)
 
+    def finish_req(self, req: Req, reason: str = "stop") -> None:
+        """Finish a decoding request now, as at an end-of-sequence token (its KV and state enter the prefix cache, so
+        the next turn of its conversation reuses them): a stop condition its caller found between two steps."""
+        with self.serving():
+            self.scheduler.finish_req(req, reason)
+            self.sampler.remove_req(req)
+            self.stats.cached_tokens += req.prefix_hit_len
+
     def _record(self, batch: Batch | None, seconds: float) -> None:
         """Count a step call's wall time, as the kind of step it launched (or booked, launching none)."""
         if batch is not None:

@@ -207,6 +207,18 @@ class Scheduler:
         req.finish_reason, req.error = reason, error
         self._release(req)
 
+    def finish_req(self, req: Req, reason: str) -> None:
+        """Finish a decoding request where it is, as an end-of-sequence token would: what it computed enters the prefix
+        cache with its state, unlike `abort_req`. For a stop condition found by the caller between two steps (the
+        server's stop strings). That is everything but its last sampled token, or under overlap scheduling, where the
+        step in flight has fed that token too (its state is then past it), everything; the step's token is dropped."""
+        if req not in self.decode_manager.running:
+            raise ValueError(f"request {req.uid} is not decoding: only a request with output tokens can be finished")
+        with sigint_deferred():
+            req.finish_reason = reason
+            self.cache_manager.cache_req(req, req.computed_len)
+            self._release(req)
+
     def _finish_reason(self, req: Req, token: int, num_output: int | None = None) -> str | None:
         """Why req finishes at `token`, its `num_output`-th output token (default: the tokens it has now)."""
         if token in self.eos_token_ids and not req.sampling_params.ignore_eos:

@@ -1,28 +1,30 @@
 """The HTTP side: FastAPI routes in OpenAI's shapes, over the engine loop.
 
     GET  /v1/models            the one model served
-    POST /v1/completions       prompt as text or token ids
-    POST /v1/chat/completions  messages, rendered by the checkpoint's chat template
+    GET  /v1/models/{id}       it, by name
+    POST /v1/completions       prompts as text or token ids, one choice each
+    POST /v1/chat/completions  messages, rendered by the checkpoint's chat template (prompts.py)
     GET  /health               200 while the engine loop runs
     GET  /metrics              Prometheus text (metrics.py)
 
-A generation request is tokenized and checked here (the engine's own `prompt_error`: empty, outside the vocabulary,
-longer than the context), submitted to the engine loop, and its tokens come back as text pieces from the
-incremental detokenizer, which also applies the stop strings (the engine has none: a stop string found aborts the
-engine's request and finishes with "stop"). The response waits for the first piece, so that a request the engine
+A generation request is tokenized in a worker thread (so that the event loop keeps serving meanwhile) and checked
+here (the engine's own `prompt_error`: empty, outside the vocabulary, longer than the context); each prompt is one
+engine request, submitted to the engine loop, whose text comes back as it becomes final (the loop detokenizes and
+applies the stop strings). The response waits for the first piece of every prompt, so that a request the engine
 refuses is still a plain 400; then it is one JSON body, or with `stream: true` server-sent events ending in
-`data: [DONE]`. A client that disconnects, while waiting or while streaming, aborts its request.
+`data: [DONE]`. A client that disconnects, while waiting or while streaming, aborts its requests.
 
-Errors are OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`: 400 for a bad body, 404 for an
-unknown model or route, 503 with Retry-After when the engine loop's bound is reached (or it is stopping), 500 if
-the engine fails a request after it started.
+Errors are OpenAI's shape (errors.py): 400 for a bad body, 401 without the API key (auth.py), 404 for an unknown
+model or route, 408 / 413 for a body too slow or too large (limits.py), 503 with Retry-After when the engine loop's
+bound is reached or it is shutting down (a request it held then is aborted with a 503: no fault of the request's),
+500 if the engine fails a request after it started.
 """
 
 from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Iterable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import TypeVar
@@ -32,51 +34,31 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from a4.engine.validation import prompt_error
-from a4.server.detokenizer import IncrementalDetokenizer
+from a4.server.auth import APIKeyMiddleware
 from a4.server.engine_loop import EngineLoop, RequestStream, Unavailable
+from a4.server.errors import APIError, unavailable
+from a4.server.limits import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_REQUEST_TIMEOUT, RequestLimitsMiddleware
+from a4.server.prompts import PromptEncoder
 from a4.server.protocol import (
     FINISH_REASONS,
-    AssistantMessage,
-    ChatChoice,
-    ChatChunkChoice,
-    ChatCompletionChunk,
     ChatCompletionRequest,
-    ChatCompletionResponse,
-    CompletionChoice,
     CompletionRequest,
-    CompletionResponse,
-    DeltaMessage,
-    ErrorInfo,
     ErrorResponse,
     GenerationRequest,
     ModelCard,
     ModelList,
     UsageInfo,
 )
+from a4.server.render import ChatRender, CompletionRender, Render
 
-RETRY_AFTER_SECONDS = 1
 # What nginx logs for a client that closed its connection before the response; nobody receives it.
 CLIENT_CLOSED_REQUEST = 499
 
 T = TypeVar("T")
-
-
-class APIError(Exception):
-    """An error response: status, and the fields of OpenAI's error object."""
-
-    def __init__(
-        self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
-        code: str | None = None, headers: dict[str, str] | None = None,
-    ) -> None:  # fmt: skip
-        super().__init__(message)
-        self.status, self.headers = status, headers
-        self.info = ErrorInfo(message=message, type=type, param=param, code=code)
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(ErrorResponse(error=self.info).model_dump(), self.status, headers=self.headers)
 
 
 class ClientGone(Exception):
@@ -85,17 +67,62 @@ class ClientGone(Exception):
 
 @dataclass(frozen=True)
 class Piece:
-    """Text of a request that is final, and with the last piece, why it ended and the usage."""
+    """Text of a request that is final, its usage so far, and with the last piece, why it ended."""
 
     text: str
+    usage: UsageInfo
     finish_reason: str | None = None
-    usage: UsageInfo | None = None
 
 
-def create_app(engine_loop: EngineLoop, tokenizer, model_name: str) -> FastAPI:
-    """The server of one model: `tokenizer` is its transformers tokenizer (with the chat template)."""
+class Pieces:
+    """One engine request's text, piece by piece; `close` aborts the request unless it has finished (a client gone,
+    another prompt of the same request refused). Awaiting `next` may be cancelled at any time."""
+
+    def __init__(self, engine_loop: EngineLoop, stream: RequestStream, num_prompt_tokens: int) -> None:
+        self._engine_loop, self._stream, self._num_prompt_tokens = engine_loop, stream, num_prompt_tokens
+        self._num_tokens = 0
+        self.finished = False
+
+    async def next(self) -> Piece:
+        output = await self._stream.get()
+        self.finished = output.finish_reason is not None
+        if output.finish_reason in ("error", "abort"):
+            raise self._failed(output.finish_reason, output.error)
+        self._num_tokens = output.num_tokens
+        usage = UsageInfo.of(self._num_prompt_tokens, output.num_tokens, output.cached_tokens)
+        return Piece(output.text, usage, FINISH_REASONS.get(output.finish_reason))
+
+    async def rest(self, first: Piece) -> list[Piece]:
+        """The pieces after `first` (none if `first` was the last)."""
+        pieces = [first]
+        while pieces[-1].finish_reason is None:
+            pieces.append(await self.next())
+        return pieces[1:]
+
+    def close(self) -> None:
+        if not self.finished:
+            self.finished = True
+            self._engine_loop.abort(self._stream)
+
+    def _failed(self, reason: str, error: str | None) -> APIError:
+        if self._engine_loop.stopping:  # aborted by the shutdown, through no fault of its own: retriable
+            return unavailable(error or "the server is shutting down")
+        # Refused before any token: the request was bad (400). Later, or aborted: the engine failed it.
+        if reason == "error" and self._num_tokens == 0:
+            return APIError(400, error or "the request was refused")
+        return APIError(500, error or "the request was aborted", type="server_error")
+
+
+def create_app(
+    engine_loop: EngineLoop, tokenizer, model_name: str, *, api_key: str | None = None,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, request_timeout: float = DEFAULT_REQUEST_TIMEOUT,
+    enable_special_tokens_in_messages: bool = False,
+) -> FastAPI:  # fmt: skip
+    """The server of one model: `tokenizer` is its transformers tokenizer (with the chat template). `api_key`: the
+    key /v1/ routes require (None: none); the limits on a request's body (limits.py); whether special-token text in
+    chat messages is read as special tokens (prompts.py)."""
     engine = engine_loop.engine
-    backend_tokenizer = tokenizer.backend_tokenizer
+    encoder = PromptEncoder(tokenizer, enable_special_tokens_in_messages)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -105,6 +132,11 @@ def create_app(engine_loop: EngineLoop, tokenizer, model_name: str) -> FastAPI:
 
     app = FastAPI(title="a4", lifespan=lifespan)
     app.state.engine_loop = engine_loop  # for tests and notebooks: the engine behind the app
+    app.state.prompt_encoder = encoder
+    app.state.request_timeout = request_timeout  # for uvicorn's protocol (launch.uvicorn_config)
+    app.add_middleware(RequestLimitsMiddleware, max_bytes=max_request_bytes, timeout=request_timeout)
+    if api_key is not None:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)  # outermost: a request without the key reads nothing
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, error: APIError) -> JSONResponse:
@@ -120,9 +152,8 @@ def create_app(engine_loop: EngineLoop, tokenizer, model_name: str) -> FastAPI:
         return APIError(error.status_code, str(error.detail), type=kind).response()
 
     @app.exception_handler(Unavailable)
-    async def unavailable(request: Request, error: Unavailable) -> JSONResponse:
-        headers = {"Retry-After": str(RETRY_AFTER_SECONDS)}
-        return APIError(503, str(error), type="server_error", code="server_busy", headers=headers).response()
+    async def busy(request: Request, error: Unavailable) -> JSONResponse:
+        return unavailable(str(error)).response()
 
     @app.get("/health")
     async def health() -> Response:
@@ -132,102 +163,106 @@ def create_app(engine_loop: EngineLoop, tokenizer, model_name: str) -> FastAPI:
     async def metrics() -> Response:
         return Response(generate_latest(engine_loop.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    def model_card() -> ModelCard:
+        return ModelCard(id=model_name, max_model_len=engine.max_context_len)
+
     @app.get("/v1/models")
     async def models() -> ModelList:
-        return ModelList(data=[ModelCard(id=model_name, max_model_len=engine.max_context_len)])
+        return ModelList(data=[model_card()])
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> ModelCard:
+        check_model(model_id)
+        return model_card()
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        check_model(body)
-        prompt_ids = tokenizer.encode(body.prompt) if isinstance(body.prompt, str) else body.prompt
+        check_model(body.model)
+        if len(body.prompts) > engine_loop.capacity:
+            raise APIError(400, f"prompt: {len(body.prompts)} prompts in one request, more than the server holds at "
+                                f"once ({engine_loop.capacity}): send fewer", param="prompt")  # fmt: skip
+        prompts = [await run_in_threadpool(checked_prompt, encoder.text if isinstance(p, str) else list, p)
+                   for p in body.prompts]  # fmt: skip
         render = CompletionRender(f"cmpl-{uuid.uuid4().hex}", model_name)
         # OpenAI's default for completions: 16 tokens.
-        return await respond(request, body, prompt_ids, "prompt", render, default_max_tokens=16)
+        return await respond(request, body, prompts, render, default_max_tokens=16)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        check_model(body)
-        if tokenizer.chat_template is None:
+        check_model(body.model)
+        if not encoder.has_chat_template:
             raise APIError(400, f"model {model_name!r} has no chat template: use /v1/completions", param="messages")
-        messages = [message.model_dump() for message in body.messages]
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        # The template writes the special tokens itself.
-        prompt_ids = tokenizer.encode(text, add_special_tokens=False)
+        messages = [message.template_message() for message in body.messages]
+        prompt = await run_in_threadpool(checked_prompt, encoder.chat, messages, param="messages")
         render = ChatRender(f"chatcmpl-{uuid.uuid4().hex}", model_name)
         # OpenAI's default for chat: up to the context's end (the engine stops there).
-        return await respond(request, body, prompt_ids, "messages", render, default_max_tokens=engine.max_context_len)
+        return await respond(request, body, [prompt], render, default_max_tokens=engine.max_context_len)
 
-    def check_model(body: GenerationRequest) -> None:
-        if body.model is not None and body.model != model_name:
+    def check_model(name: str | None) -> None:
+        if name is not None and name != model_name:
             raise APIError(
-                404, f"the model {body.model!r} does not exist: this server serves {model_name!r}",
+                404, f"the model {name!r} does not exist: this server serves {model_name!r}",
                 type="not_found_error", param="model", code="model_not_found",
             )  # fmt: skip
 
-    async def respond(
-        request: Request, body: GenerationRequest, prompt_ids: list[int], param: str, render: Render,
-        default_max_tokens: int,
-    ) -> Response:  # fmt: skip
+    def checked_prompt(encode, prompt, param: str = "prompt") -> list[int]:
+        """The prompt's ids, checked as the engine will (in a worker thread: a long prompt takes a while)."""
+        try:
+            prompt_ids = encode(prompt)
+        except ValueError as e:
+            raise APIError(400, f"{param}: {e}", param=param, code="invalid_prompt") from None
         error = prompt_error(prompt_ids, engine.model_config, engine.max_context_len, engine.memory_plan.num_tokens)
         if error is not None:
             code = "context_length_exceeded" if len(prompt_ids) >= engine.max_context_len else "invalid_prompt"
             raise APIError(400, error, param=param, code=code)
-        stream = engine_loop.submit(prompt_ids, body.sampling_params(default_max_tokens))
-        pieces = text_pieces(stream, body.stop_strings, len(prompt_ids))
+        return prompt_ids
+
+    async def respond(
+        request: Request, body: GenerationRequest, prompts: list[list[int]], render: Render, default_max_tokens: int
+    ) -> Response:
+        params = body.sampling_params(default_max_tokens)
+        pieces: list[Pieces] = []
+        streaming = False  # once the stream's generator has the requests, it closes them
         try:
-            first = await until_disconnected(request, anext(pieces))
+            for prompt_ids in prompts:
+                stream = engine_loop.submit(prompt_ids, params, body.stop_strings)
+                pieces.append(Pieces(engine_loop, stream, len(prompt_ids)))
+            firsts = await until_disconnected(request, all_of(p.next() for p in pieces))
             if not body.stream:
-                rest = await until_disconnected(request, collect(pieces, first))
-                text = "".join(piece.text for piece in [first, *rest])
-                last = rest[-1] if rest else first
-                return JSONResponse(render.response(text, last.finish_reason, last.usage).model_dump())
+                rests = await until_disconnected(request, all_of(map(Pieces.rest, pieces, firsts)))
+                lasts = [rest[-1] if rest else first for first, rest in zip(firsts, rests)]
+                texts = ["".join(piece.text for piece in [first, *rest]) for first, rest in zip(firsts, rests)]
+                choices = [(text, last.finish_reason) for text, last in zip(texts, lasts)]
+                usage = UsageInfo.total([last.usage for last in lasts])
+                return JSONResponse(render.response(choices, usage).model_dump())
         except ClientGone:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         except APIError as error:
             return error.response()
-        return StreamingResponse(server_sent_events(render, first, pieces, body.include_usage),
-                                 media_type="text/event-stream")  # fmt: skip
-
-    async def text_pieces(stream: RequestStream, stop: list[str], num_prompt_tokens: int) -> AsyncIterator[Piece]:
-        """The request's text as it becomes final; the engine's request is aborted if this ends early (a client
-        gone, a stop string)."""
-        detokenizer = IncrementalDetokenizer(backend_tokenizer, stop)
-        engine_finished = False
-        try:
-            async for output in stream:
-                engine_finished = output.finish_reason is not None
-                if output.finish_reason in ("error", "abort"):
-                    # Refused before any token: the request was bad (400). Later: the engine failed it.
-                    started = detokenizer.num_tokens > 0 or output.finish_reason == "abort"
-                    raise APIError(500 if started else 400, output.error or "the request was aborted",
-                                   type="server_error" if started else "invalid_request_error")  # fmt: skip
-                text = detokenizer.add(output.token_ids)
-                if detokenizer.stopped:
-                    finish_reason = "stop"
-                elif engine_finished:
-                    finish_reason = FINISH_REASONS[output.finish_reason]
-                    text += detokenizer.finish()
-                else:
-                    if text:
-                        yield Piece(text)
-                    continue
-                usage = UsageInfo.of(num_prompt_tokens, detokenizer.num_tokens, output.cached_tokens)
-                yield Piece(text, finish_reason, usage)
-                return
+        else:
+            streaming = True
+            events = server_sent_events(render, firsts, pieces, body.include_usage, body.continuous_usage)
+            return StreamingResponse(events, media_type="text/event-stream")
         finally:
-            if not engine_finished:
-                engine_loop.abort(stream)
+            if not streaming:
+                for p in pieces:
+                    p.close()
 
     return app
 
 
-async def collect(pieces: AsyncIterator[Piece], first: Piece) -> list[Piece]:
-    """The pieces after `first` (none if `first` was the last)."""
-    return [] if first.finish_reason is not None else [piece async for piece in pieces]
+async def all_of(awaitables: Iterable[Awaitable[T]]) -> list[T]:
+    """The results of all, or the first exception, after which those still running are cancelled."""
+    tasks = [asyncio.ensure_future(awaitable) for awaitable in awaitables]
+    try:
+        return await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()
 
 
 async def until_disconnected(request: Request, work: Awaitable[T]) -> T:
-    """Await `work`, unless the client disconnects first: then cancel it (which aborts its request) and raise
+    """Await `work`, unless the client disconnects first: then cancel it (which aborts its requests) and raise
     ClientGone. (While a streamed response is being sent, Starlette watches for the disconnect itself.)"""
 
     async def disconnected() -> None:
@@ -246,28 +281,57 @@ async def until_disconnected(request: Request, work: Awaitable[T]) -> T:
     return work_task.result()
 
 
-async def server_sent_events(render: Render, first: Piece, pieces: AsyncIterator[Piece], include_usage: bool):
-    """`data: <chunk>` events, an error event if the engine fails the request midway, then `data: [DONE]`."""
+async def merged(firsts: list[Piece], pieces: list[Pieces]) -> AsyncIterator[tuple[int, Piece]]:
+    """Every request's pieces, `firsts` then the rest, each with its request's index, as they come."""
+    pending: dict[asyncio.Future, int] = {}
+    try:
+        for index, first in enumerate(firsts):
+            yield index, first
+            if first.finish_reason is None:
+                pending[asyncio.ensure_future(pieces[index].next())] = index
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                index = pending.pop(task)
+                yield index, (piece := task.result())
+                if piece.finish_reason is None:
+                    pending[asyncio.ensure_future(pieces[index].next())] = index
+    finally:
+        for task in pending:
+            task.cancel()
+
+
+async def server_sent_events(
+    render: Render, firsts: list[Piece], pieces: list[Pieces], include_usage: bool, continuous_usage: bool
+):
+    """`data: <chunk>` events, an error event if the engine fails a request midway, then `data: [DONE]`. With
+    `continuous_usage`, every chunk carries its request's usage so far (vLLM's `continuous_usage_stats`)."""
 
     def event(chunk: BaseModel) -> str:
         return f"data: {chunk.model_dump_json()}\n\n"
 
+    def usage(piece: Piece) -> UsageInfo | None:
+        return piece.usage if continuous_usage else None
+
+    lasts = list(firsts)
+    events = merged(firsts, pieces)
     try:
-        for chunk in render.opening_chunks():
+        first_usage = firsts[0].usage
+        opening = UsageInfo.of(first_usage.prompt_tokens, 0, first_usage.prompt_tokens_details.cached_tokens)
+        if (chunk := render.opening_chunk(opening if continuous_usage else None)) is not None:
             yield event(chunk)
-        piece = first
-        while True:
-            yield event(render.chunk(piece.text, piece.finish_reason))
-            if piece.finish_reason is not None:
-                break
-            piece = await anext(pieces)
+        async for index, piece in events:
+            lasts[index] = piece
+            yield event(render.chunk(index, piece.text, piece.finish_reason, usage(piece)))
         if include_usage:
-            yield event(render.usage_chunk(piece.usage))
+            yield event(render.usage_chunk(UsageInfo.total([last.usage for last in lasts])))
     except APIError as error:
         yield event(ErrorResponse(error=error.info))
     finally:
-        # Starlette abandons this generator when the client disconnects; closing `pieces` aborts the request.
-        await pieces.aclose()
+        # Starlette abandons this generator when the client disconnects: the requests still running are aborted.
+        await events.aclose()
+        for p in pieces:
+            p.close()
     yield "data: [DONE]\n\n"
 
 
@@ -283,54 +347,3 @@ def validation_error(error: RequestValidationError) -> APIError:
     if param is not None:
         message = f"{param}: {message}"
     return APIError(400, message, param=param, code=problem["type"])
-
-
-# ------------------------------------------------------------------------------------------- response shapes
-
-
-class CompletionRender:
-    """/v1/completions' bodies: the response, and the chunks of a streamed one."""
-
-    def __init__(self, request_id: str, model: str) -> None:
-        self.request_id, self.model = request_id, model
-
-    def response(self, text: str, finish_reason: str, usage: UsageInfo) -> CompletionResponse:
-        choice = CompletionChoice(text=text, finish_reason=finish_reason)
-        return CompletionResponse(id=self.request_id, model=self.model, choices=[choice], usage=usage)
-
-    def opening_chunks(self) -> list[BaseModel]:
-        return []
-
-    def chunk(self, text: str, finish_reason: str | None) -> CompletionResponse:
-        choice = CompletionChoice(text=text, finish_reason=finish_reason)
-        return CompletionResponse(id=self.request_id, model=self.model, choices=[choice])
-
-    def usage_chunk(self, usage: UsageInfo) -> CompletionResponse:
-        return CompletionResponse(id=self.request_id, model=self.model, choices=[], usage=usage)
-
-
-class ChatRender:
-    """/v1/chat/completions' bodies; a stream opens with the assistant's role, as OpenAI's does."""
-
-    def __init__(self, request_id: str, model: str) -> None:
-        self.request_id, self.model = request_id, model
-
-    def response(self, text: str, finish_reason: str, usage: UsageInfo) -> ChatCompletionResponse:
-        choice = ChatChoice(message=AssistantMessage(content=text), finish_reason=finish_reason)
-        return ChatCompletionResponse(id=self.request_id, model=self.model, choices=[choice], usage=usage)
-
-    def opening_chunks(self) -> list[BaseModel]:
-        return [self._chunk(DeltaMessage(role="assistant", content=""), None)]
-
-    def chunk(self, text: str, finish_reason: str | None) -> ChatCompletionChunk:
-        return self._chunk(DeltaMessage(content=text or None), finish_reason)
-
-    def usage_chunk(self, usage: UsageInfo) -> ChatCompletionChunk:
-        return ChatCompletionChunk(id=self.request_id, model=self.model, choices=[], usage=usage)
-
-    def _chunk(self, delta: DeltaMessage, finish_reason: str | None) -> ChatCompletionChunk:
-        choice = ChatChunkChoice(delta=delta, finish_reason=finish_reason)
-        return ChatCompletionChunk(id=self.request_id, model=self.model, choices=[choice])
-
-
-Render = CompletionRender | ChatRender

@@ -4,8 +4,11 @@ An Engine serves one thread (`Engine.serving`), so every call into it is made he
 `abort` them by putting commands in the inbox; between two steps the thread takes them all in, so a request that
 arrives while others decode joins their next steps (continuous batching). After each step every request's new
 tokens go back to its handler through its `RequestStream`, an asyncio queue on the server's event loop fed with
-`call_soon_threadsafe`. An abort (the client went away, a stop string was found) frees the request's slot, pages,
-prefix-cache locks and state at the next turn of the loop, within one step.
+`call_soon_threadsafe`, as text: this thread detokenizes them (detokenizer.py) and applies the request's stop
+strings, so that a request whose text reaches one finishes before the next step, where it is, as at an
+end-of-sequence token (`Engine.finish_req`: its KV and state enter the prefix cache for its conversation's next turn;
+SGLang's scheduler checks stop strings the same way). An abort (the client went away) frees the request's slot,
+pages, prefix-cache locks and state at the next turn of the loop, within one step, and caches nothing.
 
 The inbox is bounded by what it admits, not by its length: past `max_running_requests + max_queued_requests`
 unfinished requests, `submit` raises Unavailable (the server answers 503) and the engine keeps serving the others;
@@ -20,10 +23,14 @@ import asyncio
 import logging
 import queue
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
+
+from tokenizers import Tokenizer
 
 from a4.core import FinishReason, Req, SamplingParams
 from a4.engine.engine import Engine
+from a4.server.detokenizer import IncrementalDetokenizer
 from a4.server.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
@@ -35,9 +42,11 @@ class Unavailable(Exception):
 
 @dataclass(frozen=True)
 class RequestOutput:
-    """What a request gained in one step: its new tokens, and once it has finished, why (the engine's reason)."""
+    """What a request gained in one step: the text its new tokens made final, and once it has finished, why (the
+    engine's reason; "stop" for a stop string)."""
 
-    token_ids: list[int]
+    text: str
+    num_tokens: int  # output tokens so far (up to the one that completed a stop string)
     cached_tokens: int  # prompt tokens served by the prefix cache
     finish_reason: FinishReason | None = None
     error: str | None = None
@@ -57,23 +66,24 @@ class RequestStream:
         except RuntimeError:
             pass  # the event loop is closed: the server is gone, and so is whoever awaited this request
 
-    async def __aiter__(self):
-        while True:
-            output = await self._outputs.get()
-            yield output
-            if output.finish_reason is not None:
-                return
+    async def get(self) -> RequestOutput:
+        """The next output (the last one has a finish_reason)."""
+        return await self._outputs.get()
 
 
 @dataclass
 class _Running:
     req: Req
-    num_sent: int = 0  # output tokens already put on the stream
+    detokenizer: IncrementalDetokenizer
+    num_seen: int = 0  # output tokens already given to the detokenizer
 
 
 class EngineLoop:
-    def __init__(self, engine: Engine, metrics: ServerMetrics, max_queued_requests: int) -> None:
+    def __init__(self, engine: Engine, tokenizer: Tokenizer, metrics: ServerMetrics, max_queued_requests: int) -> None:
+        """`tokenizer`: the `tokenizers` backend of the model's tokenizer (a transformers fast tokenizer's
+        `backend_tokenizer`), which turns the outputs into text."""
         self.engine = engine
+        self.tokenizer = tokenizer
         self.metrics = metrics
         self.capacity = engine.memory_plan.max_running_requests + max_queued_requests
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -87,6 +97,11 @@ class EngineLoop:
     @property
     def alive(self) -> bool:
         return self._thread.is_alive()
+
+    @property
+    def stopping(self) -> bool:
+        """Shutting down: its requests were aborted for that, not for a fault of theirs (the client may retry)."""
+        return self._stopping.is_set()
 
     def start(self) -> None:
         self._thread.start()
@@ -102,9 +117,9 @@ class EngineLoop:
 
     # ------------------------------------------------------------------------------------ called by the handlers
 
-    def submit(self, input_ids: list[int], params: SamplingParams) -> RequestStream:
-        """Queue a request (from a coroutine on the server's event loop); Unavailable past the bound, or once
-        stopping."""
+    def submit(self, input_ids: list[int], params: SamplingParams, stop: Sequence[str] = ()) -> RequestStream:
+        """Queue a request (from a coroutine on the server's event loop), whose text ends before the first of the
+        `stop` strings; Unavailable past the bound, or once stopping."""
         stream = RequestStream(asyncio.get_running_loop())
         # Under the lock with `stop`: a request queued before it is aborted by the loop's last turn, none after it.
         with self._lock:
@@ -116,7 +131,7 @@ class EngineLoop:
                     f"(max_running_requests + max_queued_requests = {self.capacity}): retry later"
                 )
             self._num_unfinished += 1
-            self._inbox.put(("add", stream, input_ids, params))
+            self._inbox.put(("add", stream, input_ids, params, tuple(stop)))
         return stream
 
     def abort(self, stream: RequestStream) -> None:
@@ -155,23 +170,32 @@ class EngineLoop:
 
     def _apply(self, kind: str, stream: RequestStream, *args) -> None:
         if kind == "add":
-            req = self.engine.add_request(*args)
-            self._running[stream] = _Running(req)
+            input_ids, params, stop = args
+            req = self.engine.add_request(input_ids, params)
+            self._running[stream] = _Running(req, IncrementalDetokenizer(self.tokenizer, stop))
             if req.finished:  # refused at once (its error says why)
                 self._publish()
         elif (running := self._running.pop(stream, None)) is not None:
-            self.engine.abort_req(running.req, "aborted by the server (client gone or stop string)")
+            self.engine.abort_req(running.req, "aborted by the server (the client is gone)")
             self._finished(running.req)
 
     def _publish(self) -> None:
-        """Put each request's new tokens on its stream; the finished ones leave the loop."""
+        """Put each request's new text on its stream, finishing those whose text reached a stop string; the finished
+        ones leave the loop."""
         for stream, running in list(self._running.items()):
-            req = running.req
-            new_tokens = req.output_ids[running.num_sent :]
-            if new_tokens or req.finished:
-                running.num_sent = len(req.output_ids)
-                finish_reason = req.finish_reason if req.finished else None
-                stream.put(RequestOutput(new_tokens, req.prefix_hit_len, finish_reason, req.error))
+            req, detokenizer = running.req, running.detokenizer
+            new_tokens = req.output_ids[running.num_seen :]
+            running.num_seen = len(req.output_ids)
+            text = detokenizer.add(new_tokens)
+            if detokenizer.stopped and not req.finished:
+                self.engine.finish_req(req, "stop")
+            elif req.finished and req.finish_reason in ("eos", "length"):
+                text += detokenizer.finish()
+            if text or req.finished:
+                # A stop string found in the tokens of the step that finished the request anyway ends it too.
+                finish_reason = "stop" if detokenizer.stopped else req.finish_reason
+                output = RequestOutput(text, detokenizer.num_tokens, req.prefix_hit_len, finish_reason, req.error)
+                stream.put(output)
             if req.finished:
                 del self._running[stream]
                 self._finished(req)

@@ -20,10 +20,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-import uvicorn
 from fastapi import FastAPI
 
-from a4.server.launch import Server, build_app, default_model_dir
+from a4.server.launch import Server, build_app, default_model_dir, uvicorn_config
 
 START_SECONDS = 60
 
@@ -33,7 +32,7 @@ class RunningApp:
 
     def __init__(self, app: FastAPI) -> None:
         self.app = app
-        self._server = Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+        self._server = Server(uvicorn_config(app, host="127.0.0.1", port=0, log_level="warning"))
         self._thread = threading.Thread(target=self._server.run, name="uvicorn", daemon=True)
         self._thread.start()
         deadline = time.monotonic() + START_SECONDS

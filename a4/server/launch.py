@@ -21,6 +21,7 @@ from a4.engine.engine import Engine, EngineConfig
 from a4.engine.stats import EngineStats
 from a4.server.app import create_app
 from a4.server.engine_loop import EngineLoop
+from a4.server.limits import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_REQUEST_TIMEOUT, HeadersTimeoutProtocol
 from a4.server.metrics import ServerMetrics
 
 DEFAULT_MAX_QUEUED_REQUESTS = 128
@@ -43,17 +44,32 @@ def build_app(
     *,
     served_model_name: str | None = None,
     max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS,
+    api_key: str | None = None,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    request_timeout: float = DEFAULT_REQUEST_TIMEOUT,
+    enable_special_tokens_in_messages: bool = False,
     **engine_options: Any,
 ) -> FastAPI:
     """The app serving the checkpoint in model_dir; `engine_options`: EngineConfig's fields. The model's name in the
-    API is `served_model_name`, by default the directory's name."""
+    API is `served_model_name`, by default the directory's name; the other options are `create_app`'s."""
     if isinstance(max_queued_requests, bool) or not isinstance(max_queued_requests, int) or max_queued_requests < 0:
         raise ValueError(f"max_queued_requests must be a non-negative integer, got {max_queued_requests!r}")
+    # Checked before the engine loads (the middlewares are only built when uvicorn starts).
+    if api_key == "":
+        raise ValueError("the API key must not be empty (no key: leave it out)")
+    if isinstance(max_request_bytes, bool) or not isinstance(max_request_bytes, int) or max_request_bytes <= 0:
+        raise ValueError(f"max_request_bytes must be a positive integer, got {max_request_bytes!r}")
+    if not request_timeout > 0:
+        raise ValueError(f"request_timeout must be a positive number of seconds, got {request_timeout!r}")
     engine = Engine(EngineConfig(model_dir, **engine_options))
     if engine.runner.device.type == "cuda":
         warm_up(engine)
-    engine_loop = EngineLoop(engine, ServerMetrics(engine), max_queued_requests)
-    return create_app(engine_loop, tokenizer, served_model_name or Path(model_dir).name)
+    engine_loop = EngineLoop(engine, tokenizer.backend_tokenizer, ServerMetrics(engine), max_queued_requests)
+    return create_app(
+        engine_loop, tokenizer, served_model_name or Path(model_dir).name, api_key=api_key,
+        max_request_bytes=max_request_bytes, request_timeout=request_timeout,
+        enable_special_tokens_in_messages=enable_special_tokens_in_messages,
+    )  # fmt: skip
 
 
 def warm_up(engine: Engine) -> None:
@@ -71,6 +87,13 @@ def warm_up(engine: Engine) -> None:
     engine.stats = EngineStats()
 
 
+def uvicorn_config(app: FastAPI, **options: Any) -> uvicorn.Config:
+    """uvicorn's config for an app of `build_app`: its HTTP/1.1 protocol drops a request whose headers take longer
+    than the app's request timeout (limits.py)."""
+    protocol = HeadersTimeoutProtocol.with_headers_timeout(app.state.request_timeout)
+    return uvicorn.Config(app, http=protocol, **options)
+
+
 class Server(uvicorn.Server):
     """uvicorn's server, which ends the app's requests in flight as it begins to shut down."""
 
@@ -86,6 +109,6 @@ def run_server(app: FastAPI, host: str, port: int) -> None:
     given Python's SIGINT handler, so that both end here as a KeyboardInterrupt and the process exits normally."""
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
-        Server(uvicorn.Config(app, host=host, port=port, timeout_graceful_shutdown=SHUTDOWN_GRACE_SECONDS)).run()
+        Server(uvicorn_config(app, host=host, port=port, timeout_graceful_shutdown=SHUTDOWN_GRACE_SECONDS)).run()
     except KeyboardInterrupt:
         pass

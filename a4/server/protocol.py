@@ -2,23 +2,40 @@
 responses.
 
 Requests are strict: a field of the wrong type (`"max_tokens": "10"`), out of range (`max_tokens` <= 0, a
-non-finite `temperature`) or unknown (a typo such as `max_token`) is refused with a 400 naming it, never coerced
-or ignored. `ignore_eos` and `top_k` are the extensions SGLang and vLLM accept too. One prompt and one choice per
-request (`n` = 1).
+non-finite `temperature`, a `top_p` that float32 rounds to 0), unknown (a typo such as `max_token`) or text that is
+not valid Unicode (a lone surrogate, `"\\ud800"`) is refused with a 400 naming it, never coerced or ignored; so are
+the fields a4 does not implement yet (`n` > 1, `logprobs`, `echo`, non-zero penalties, `response_format` other than
+text), each saying so. `ignore_eos`, `top_k` and `stream_options.continuous_usage_stats` are the extensions SGLang
+and vLLM accept too. A completion's `prompt` may be several prompts (texts, or lists of token ids), one choice each.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from a4.core import SamplingParams
 
 # The engine's reasons (a4.core.FinishReason) in OpenAI's words; "error" and "abort" become errors instead.
-FINISH_REASONS = {"eos": "stop", "length": "length"}
+FINISH_REASONS = {"eos": "stop", "length": "length", "stop": "stop"}
 MAX_SEED = 2**63 - 1  # SamplingParams' bound
+
+
+def _unicode_text(text: str) -> str:
+    """JSON can carry half of a UTF-16 surrogate pair (`"\\ud800"`), which is no character: no tokenizer takes it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"not valid Unicode text: a lone surrogate {text[e.start]!r} at character {e.start}") from None
+    return text
+
+
+def _not_supported(detail: str = "") -> ValueError:
+    """A field a4 does not implement yet (the message is prefixed with the field's name)."""
+    return ValueError(f"not supported by a4 yet{detail}")
 
 
 class StrictModel(BaseModel):
@@ -27,6 +44,7 @@ class StrictModel(BaseModel):
 
 class StreamOptions(StrictModel):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: the usage so far in every chunk
 
 
 class GenerationRequest(StrictModel):
@@ -43,16 +61,54 @@ class GenerationRequest(StrictModel):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # extension: generate max_tokens whatever the model says (benchmarks)
     n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    user: str | None = None  # an end user's id, for the provider's abuse monitoring: accepted, unused
 
-    @model_validator(mode="after")
-    def _supported(self) -> GenerationRequest:
-        if self.n != 1:
-            raise ValueError(f"n = {self.n} is not supported: a4 returns one choice per request (n = 1)")
-        if self.stream_options is not None and not self.stream:
-            raise ValueError("stream_options is only allowed with stream: true")
-        if any(stop == "" for stop in self.stop_strings):
+    @field_validator("top_p")
+    @classmethod
+    def _positive_in_float32(cls, top_p: float) -> float:
+        # The sampler compares probabilities with top_p in float32, where a smaller value is 0: nothing would pass.
+        if np.float32(top_p) < np.finfo(np.float32).tiny:
+            raise ValueError(f"must be at least {np.finfo(np.float32).tiny:.3g} (the sampler works in float32)")
+        return top_p
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _unicode_stop(cls, stop: object) -> object:
+        # Before the union, whose errors would name its members.
+        for text in [stop] if isinstance(stop, str) else stop if isinstance(stop, list) else []:
+            if isinstance(text, str):
+                _unicode_text(text)
+        return stop
+
+    @field_validator("stop")
+    @classmethod
+    def _no_empty_stop(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        if stop == "" or (isinstance(stop, list) and "" in stop):
             raise ValueError("stop strings must not be empty")
-        return self
+        return stop
+
+    @field_validator("stream_options")
+    @classmethod
+    def _only_streamed(cls, options: StreamOptions | None, info: ValidationInfo) -> StreamOptions | None:
+        if options is not None and not info.data.get("stream"):
+            raise ValueError("stream_options is only allowed with stream: true")
+        return options
+
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, n: int) -> int:
+        if n != 1:
+            raise _not_supported(f": one choice per prompt (n = 1), got {n}")
+        return n
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _no_penalty(cls, penalty: float) -> float:
+        if penalty != 0:
+            raise _not_supported(f": only 0, got {penalty}")
+        return penalty
 
     @property
     def stop_strings(self) -> list[str]:
@@ -62,9 +118,17 @@ class GenerationRequest(StrictModel):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    @property
+    def continuous_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.continuous_usage_stats
+
+    @property
+    def max_new_tokens(self) -> int | None:
+        return self.max_tokens
+
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
         return SamplingParams(
-            max_new_tokens=self.max_tokens or default_max_tokens,
+            max_new_tokens=self.max_new_tokens or default_max_tokens,
             temperature=self.temperature,
             top_k=self.top_k,
             top_p=self.top_p,
@@ -73,34 +137,117 @@ class GenerationRequest(StrictModel):
         )
 
 
+Prompt = str | list[int]  # text, or token ids
+
+
 class CompletionRequest(GenerationRequest):
-    prompt: str | list[int] = Field(min_length=1)  # text, or token ids
+    # One prompt (text or token ids) or several (a list of texts, or of lists of token ids): one choice each.
+    prompt: Prompt | list[Prompt]
+    logprobs: int | None = None
+    echo: bool = False
 
     @field_validator("prompt", mode="before")
     @classmethod
-    def _text_or_token_ids(cls, prompt: object) -> object:
+    def _one_or_more_prompts(cls, prompt: object) -> object:
         # Checked before the union, whose own errors would name each of its members in turn.
-        is_token_ids = isinstance(prompt, list) and all(type(token) is int for token in prompt)
-        if not (isinstance(prompt, str) or is_token_ids):
-            raise ValueError(f"must be text or a list of token ids (integers), got {prompt!r:.60}")
+        def is_token_ids(value: object) -> bool:
+            return isinstance(value, list) and all(type(token) is int for token in value)
+
+        several = isinstance(prompt, list) and all(isinstance(one, str) or is_token_ids(one) for one in prompt)
+        if not (isinstance(prompt, str) or is_token_ids(prompt) or several):
+            raise ValueError(f"must be text, a list of token ids (integers), or a list of either (several prompts), "
+                             f"got {prompt!r:.60}")  # fmt: skip
+        if not prompt:
+            raise ValueError("must not be empty")
+        for text in [prompt] if isinstance(prompt, str) else prompt:
+            if isinstance(text, str):
+                _unicode_text(text)
         return prompt
+
+    @field_validator("logprobs")
+    @classmethod
+    def _no_logprobs(cls, logprobs: int | None) -> int | None:
+        if logprobs is not None:
+            raise _not_supported()
+        return logprobs
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, echo: bool) -> bool:
+        if echo:
+            raise _not_supported()
+        return echo
+
+    @property
+    def prompts(self) -> list[Prompt]:
+        """Each prompt of the request: a text or a list of token ids."""
+        if isinstance(self.prompt, str) or all(type(token) is int for token in self.prompt):
+            return [self.prompt]
+        return list(self.prompt)
+
+
+class TextPart(StrictModel):
+    type: Literal["text"]
+    text: str  # checked as Unicode by ChatMessage
 
 
 class ChatMessage(StrictModel):
-    role: Literal["system", "user", "assistant"]
-    content: str
+    # "developer" is OpenAI's newer name for "system" (its instructions to the model).
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _unicode_text_parts(cls, content: object) -> object:
+        # Before the union, whose errors would name its members.
+        if isinstance(content, str):
+            _unicode_text(content)
+        elif isinstance(content, list):
+            for i, part in enumerate(content):
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind != "text":
+                    raise ValueError(f"part {i} is of type {kind!r}: a4 serves text models, only 'text' parts")
+                if isinstance(part.get("text"), str):
+                    _unicode_text(part["text"])
+        return content
+
+    def template_message(self) -> dict[str, str]:
+        """The message as a chat template takes it; text parts are joined by newlines, as vLLM does."""
+        text = self.content if isinstance(self.content, str) else "\n".join(part.text for part in self.content)
+        return {"role": "system" if self.role == "developer" else self.role, "content": text}
 
 
 class ChatCompletionRequest(GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, gt=0)  # OpenAI's newer name for max_tokens
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    response_format: dict[str, Any] | None = None
 
-    @model_validator(mode="after")
-    def _one_max_tokens(self) -> ChatCompletionRequest:
-        if self.max_tokens is not None and self.max_completion_tokens is not None:
+    @field_validator("max_completion_tokens")
+    @classmethod
+    def _one_max_tokens(cls, max_completion_tokens: int | None, info: ValidationInfo) -> int | None:
+        if max_completion_tokens is not None and info.data.get("max_tokens") is not None:
             raise ValueError("give max_tokens or max_completion_tokens, not both")
-        self.max_tokens = self.max_tokens or self.max_completion_tokens
-        return self
+        return max_completion_tokens
+
+    @field_validator("logprobs", "top_logprobs")
+    @classmethod
+    def _no_logprobs(cls, value: bool | int | None) -> bool | int | None:
+        if value not in (False, None):
+            raise _not_supported()
+        return value
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_format_only(cls, response_format: dict[str, Any] | None) -> dict[str, Any] | None:
+        if response_format is not None and response_format != {"type": "text"}:
+            raise _not_supported(": only {'type': 'text'}")
+        return response_format
+
+    @property
+    def max_new_tokens(self) -> int | None:
+        return self.max_tokens or self.max_completion_tokens
 
 
 # ---------------------------------------------------------------------------------------------------------- responses
@@ -123,6 +270,15 @@ class UsageInfo(BaseModel):
             completion_tokens=completion_tokens,
             total_tokens=prompt_tokens + completion_tokens,
             prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
+        )
+
+    @staticmethod
+    def total(usages: list[UsageInfo]) -> UsageInfo:
+        """The usage of several requests together (a completion of several prompts)."""
+        return UsageInfo.of(
+            sum(u.prompt_tokens for u in usages),
+            sum(u.completion_tokens for u in usages),
+            sum(u.prompt_tokens_details.cached_tokens for u in usages),
         )
 
 
