@@ -199,6 +199,8 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--speculative-tokens", type=non_negative_int, **flag)
     engine.add_argument("--tensor-parallel-size", type=positive_int, **flag)
     engine.add_argument("--load-format", choices=LOAD_FORMATS, **flag)
+    engine.add_argument("--overlap-schedule", action=argparse.BooleanOptionalAction, **flag)
+    engine.add_argument("--enable-mixed-chunk", action=argparse.BooleanOptionalAction, **flag)
 
 
 def token_ids(text: str) -> list[int]:

@@ -3,7 +3,8 @@
 
 float32 tiny Qwen3 and Qwen3.5 against transformers' greedy generation token by token, with CUDA graphs on and off:
 single prompts, a varlen batch, chunked prefill, slot reuse, prefix hits under both hybrid policies, batch sizes
-between the captured buckets, and speculative decoding. bfloat16, where rounding differs by kernel, is ranked under
+between the captured buckets, and speculative decoding; with overlap scheduling (the CUDA default), and without it
+and with mixed steps. bfloat16, where rounding differs by kernel, is ranked under
 transformers' float32 logits instead.
 """
 
@@ -68,6 +69,17 @@ def test_greedy_equals_transformers(model, cuda_graphs, max_running_requests):
     assert bool(llm.engine.graph_runner.graphs) == cuda_graphs
     outputs = llm.generate(PROMPTS, SamplingParams(max_new_tokens=MAX_NEW))
     assert [out.token_ids for out in outputs] == reference
+
+
+@pytest.mark.parametrize("overlap_schedule, enable_mixed_chunk", [(False, False), (True, True), (False, True)])
+def test_step_loops_equal_transformers(model, overlap_schedule, enable_mixed_chunk):
+    # Overlap scheduling is the CUDA default, which every other test runs: here the loop without it, and mixed steps.
+    ckpt, reference = model
+    llm = LLM(ckpt, device="cuda", max_running_requests=3, max_prefill_tokens=48, page_size=4,
+              overlap_schedule=overlap_schedule, enable_mixed_chunk=enable_mixed_chunk)  # fmt: skip
+    outputs = llm.generate(PROMPTS, SamplingParams(max_new_tokens=MAX_NEW))
+    assert [out.token_ids for out in outputs] == reference
+    assert (llm.stats.mixed_steps > 0) == enable_mixed_chunk
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
