@@ -82,6 +82,9 @@ class Req:
     # Positions [0, kv_allocated_len) have KV locations in the request's row, on whole pages. A step allocates before
     # its forward, so this runs ahead of computed_len until the step is booked: what an aborted request gives back.
     kv_allocated_len: int = 0
+    # Pages still promised to the request by the admission policy (scheduler/prefill.py): its worst case less what its
+    # steps have allocated.
+    reserved_pages: int = 0
     # Prompt tokens that came from the prefix cache (reported in Output.cached_tokens).
     prefix_hit_len: int = 0
     output_ids: list[int] = field(default_factory=list)

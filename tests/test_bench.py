@@ -535,6 +535,12 @@ def test_serve_measures_every_rate_and_the_multi_turn_chat(chat_model_dir, tmp_p
     )
     first_turn, *later_turns = report["multi_turn"]["cache_hit_rate_by_turn"]
     assert all(rate > 0 for rate in later_turns)
+    # The rates again on a server with mixed steps the other way round: the same arrivals, every request served.
+    mixed = report["mixed_chunk"]
+    assert report["rates"] in (mixed["on"], mixed["off"]) and mixed["on"] != mixed["off"]
+    for on, off in zip(mixed["on"], mixed["off"]):
+        assert on["rate"] == off["rate"] and on["sent"] == off["sent"]
+        assert on["failed"] == off["failed"] == 0
 
 
 def test_serve_summary_arithmetic():

@@ -143,6 +143,10 @@ class FakeEngine:
         assert self.allocator.num_free_pages + len(owned) + len(tree) == self.num_pages
         assert self.cache.evictable_size + self.cache.protected_size == p * len(tree)
         assert self.table.available_size + len(running) == self.table.max_running_requests
+        # The admission policy's promise, recomputed: each admitted request's worst case less the pages it holds.
+        max_stored = [len(req.input_ids) + req.sampling_params.max_new_tokens - 1 for req in running]
+        promised = [pages_for(n, p) - pages_for(req.kv_allocated_len, p) for n, req in zip(max_stored, running)]
+        assert self.scheduler.cache_manager.reserved_pages == sum(promised), "pages promised at admission miscounted"
 
 
 @st.composite

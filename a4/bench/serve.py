@@ -13,6 +13,11 @@ and end-to-end latency, at p50 / p90 / p99 (ms); requests/s and tokens/s over th
 (`usage.prompt_tokens_details.cached_tokens` over `usage.prompt_tokens`). Bounded in time: arrivals stop after
 `seconds_per_rate`, and requests still running `drain_seconds` later are cancelled and counted as unfinished.
 
+Then the random workload again on a second server started with mixed steps the other way round
+(`--enable-mixed-chunk` / `--no-enable-mixed-chunk`, `EngineConfig.enable_mixed_chunk`): with them a prompt's prefill
+no longer stops every running decode, and ITL's tail shows it. The table gives both, and per rate the ratios of ITL
+p99 and output throughput with mixed steps to without (not with `--base-url`, whose server is someone else's).
+
     python -m a4 bench serve [--quick] [--out DIR] [--model-dir DIR] [--device cuda] [--base-url URL]
 
 Writes serve.json and serve.png (latency and throughput against the request rate).
@@ -229,9 +234,10 @@ def percentiles(seconds: list[float]) -> dict[str, float | None]:
 
 
 @contextmanager
-def started_server(model_dir: Path | None, device: str | None):
-    """`python -m a4 serve` on a free port, until the block ends (then SIGINT, as a user stops it); yields its URL."""
-    command = [sys.executable, "-m", "a4", "serve", "--port", "0"]
+def started_server(model_dir: Path | None, device: str | None, options: tuple[str, ...] = ()):
+    """`python -m a4 serve` on a free port with these engine options, until the block ends (then SIGINT, as a user
+    stops it); yields its URL."""
+    command = [sys.executable, "-m", "a4", "serve", "--port", "0", *options]
     if model_dir is not None:
         command += ["--model-dir", str(model_dir)]
     if device is not None:
@@ -266,6 +272,15 @@ def started_server(model_dir: Path | None, device: str | None):
             process.wait()
 
 
+def engine_default(option: str) -> object:
+    """EngineConfig's default for one option (what a server started without its flag runs)."""
+    from dataclasses import fields
+
+    from a4.engine.config import EngineConfig
+
+    return next(f.default for f in fields(EngineConfig) if f.name == option)
+
+
 # -------------------------------------------------------------------------------------------------------- report
 
 
@@ -279,10 +294,23 @@ def print_table(report: dict) -> None:
                  for key in ("ttft_ms", "itl_ms", "e2e_ms")]  # fmt: skip
         print(f"{row['rate']:>6g} {row['completed']:>5} {row['request_throughput']:>6.2f} "
               f"{row['output_token_throughput']:>9.1f} {cells[0]:>22} {cells[1]:>20} {cells[2]:>22}")  # fmt: skip
+    if "mixed_chunk" in report:
+        print("mixed steps (enable_mixed_chunk), the random workload on two servers: ITL p99 ms and output tok/s")
+        off, on = report["mixed_chunk"]["off"], report["mixed_chunk"]["on"]
+        for without, mixed in zip(off, on):
+            itl = [row["itl_ms"]["p99"] for row in (without, mixed)]
+            tokens = [row["output_token_throughput"] for row in (without, mixed)]
+            ratio = "-" if None in itl else f"{itl[1] / itl[0]:.2f}x"
+            print(f"{without['rate']:>6g}  ITL p99 {_ms(itl[0])} without, {_ms(itl[1])} with ({ratio}); output "
+                  f"{tokens[0]:.1f} / {tokens[1]:.1f} tok/s ({tokens[1] / max(tokens[0], 1e-9):.2f}x)")  # fmt: skip
     chat = report["multi_turn"]
     by_turn = ", ".join(f"{rate:.0%}" for rate in chat["cache_hit_rate_by_turn"])
     print(f"multi-turn chat: {chat['conversations']} conversations x {chat['turns']} turns, prefix-cache hit rate "
           f"{chat['cache_hit_rate']:.0%} (by turn: {by_turn}), TTFT p50 {chat['ttft_ms']['p50']:.0f} ms")  # fmt: skip
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0f}"
 
 
 def plot(report: dict, path: Path) -> None:
@@ -328,6 +356,16 @@ def main(
         httpx.post(f"{url}/v1/completions", json={"prompt": "warm up", "max_tokens": 4}, timeout=None)
         rows = [asyncio.run(run_rate(url, rate, workload, rng)) for rate in workload.rates]
         multi_turn = asyncio.run(run_multi_turn(url, workload, rng))
+        default_mixed = engine_default("enable_mixed_chunk")
+    mixed_chunk = None
+    if base_url is None:
+        flag = "--no-enable-mixed-chunk" if default_mixed else "--enable-mixed-chunk"
+        with started_server(model_dir, device, (flag,)) as url:
+            httpx.post(f"{url}/v1/completions", json={"prompt": "warm up", "max_tokens": 4}, timeout=None)
+            # The same arrivals and prompts as the first server's rates.
+            rng = random.Random(workload.seed)
+            other = [asyncio.run(run_rate(url, rate, workload, rng)) for rate in workload.rates]
+        mixed_chunk = {"on": rows, "off": other} if default_mixed else {"on": other, "off": rows}
     report = {
         "benchmark": "serve",
         "model": model["id"],
@@ -335,6 +373,7 @@ def main(
         "workload": asdict(workload),
         "rates": rows,
         "multi_turn": multi_turn,
+        **({"mixed_chunk": mixed_chunk} if mixed_chunk is not None else {}),
     }
     print_table(report)
     if out_dir is not None:

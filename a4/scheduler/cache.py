@@ -56,6 +56,9 @@ class CacheManager:
         self.state_pool = state_pool
         self.lookahead = lookahead
         self.page_size = allocator.page_size
+        # Pages promised to the admitted requests and not allocated to them yet: each request's worst case, counted
+        # once at admission (`reserve`) and paid off as its steps allocate (see the admission policy in prefill.py).
+        self.reserved_pages = 0
 
     @property
     def available_pages(self) -> int:
@@ -84,6 +87,11 @@ class CacheManager:
     def prefill_pause(self, req: Req) -> int:
         """The prompt position where the request's prefill should pause for the cache (its length: nowhere)."""
         return self.prefix_cache.prefill_pause(len(req.input_ids))
+
+    def reserve(self, req: Req, num_pages: int) -> None:
+        """Promise an admitted request `num_pages` more pages (its worst case, `pages_to_finish`)."""
+        req.reserved_pages = num_pages
+        self.reserved_pages += num_pages
 
     def pages_to_finish(self, req: Req, computed_len: int) -> int:
         """Pages the request still needs, from computed_len tokens in the pool to its longest possible length.
@@ -114,6 +122,9 @@ class CacheManager:
             pages = self._allocate_pages(sum(count for *_, count in writes) // page_size)
             self.table_manager.write_many(writes, self.allocator.pages_to_locations(pages))
         for req, end in zip(reqs, ends):
+            new_pages = max(pages_for(end, page_size) - pages_for(req.kv_allocated_len, page_size), 0)
+            req.reserved_pages -= new_pages
+            self.reserved_pages -= new_pages
             req.kv_allocated_len = max(req.kv_allocated_len, end)
 
     def cache_req(self, req: Req, stored: int) -> None:
@@ -159,6 +170,8 @@ class CacheManager:
         self.unlock(handle)
         req.cache_handle = None
         req.kv_allocated_len = 0
+        self.reserved_pages -= req.reserved_pages
+        req.reserved_pages = 0
 
     def _allocate_pages(self, num_pages: int) -> torch.Tensor:
         shortfall = num_pages - self.allocator.num_free_pages

@@ -9,12 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from a4.core import Batch, Req
-from a4.scheduler.cache import CacheManager
 
 
 @dataclass
 class DecodeManager:
-    cache_manager: CacheManager
     tokens_per_step: int = 1
     # In the order their prefill finished (a list, not a set, so that batches are reproducible).
     running: list[Req] = field(default_factory=list)
@@ -26,11 +24,6 @@ class DecodeManager:
         """Take req out of the running list, if it is there."""
         if req in self.running:
             self.running.remove(req)
-
-    @property
-    def reserved_pages(self) -> int:
-        """Pages still promised to the running requests (see the admission policy in prefill.py)."""
-        return sum(self.cache_manager.pages_to_finish(req, req.computed_len) for req in self.running)
 
     def decodable(self) -> list[Req]:
         """The running requests that may sample another token: under overlap scheduling, one whose token in flight

@@ -33,8 +33,6 @@ class PrefillAdder:
     """Builds one prefill batch under a token budget and a memory reservation."""
 
     token_budget: int
-    # Pages already promised to admitted requests (their worst case minus what they hold).
-    reserved_pages: int
     cache_manager: CacheManager
     table_manager: TableManager
     reqs: list[Req] = field(default_factory=list)
@@ -64,7 +62,7 @@ class PrefillAdder:
         # Lock before counting: the matched pages may be evictable now, and must not count as available to req.
         self.cache_manager.lock(match.handle)
         needed = self.cache_manager.pages_to_finish(req, match.handle.cached_len)
-        if needed + self.reserved_pages > self.cache_manager.available_pages:
+        if needed + self.cache_manager.reserved_pages > self.cache_manager.available_pages:
             self.cache_manager.unlock(match.handle)
             return False
         req.slot = self.table_manager.allocate()
@@ -80,7 +78,7 @@ class PrefillAdder:
             req.slot, req.computed_len, req.prefix_hit_len, req.kv_allocated_len = None, 0, 0, 0
             req.cache_handle = None
             raise
-        self.reserved_pages += needed
+        self.cache_manager.reserve(req, needed)
         return True
 
     def batch(self) -> Batch:
@@ -99,14 +97,8 @@ class PrefillManager:
     def add_req(self, req: Req) -> None:
         self.pending.append(req)
 
-    @property
-    def reserved_pages(self) -> int:
-        """Pages still promised to the admitted (chunked) requests of the queue."""
-        admitted = [req for req in self.pending if req.admitted]
-        return sum(self.cache_manager.pages_to_finish(req, req.computed_len) for req in admitted)
-
-    def schedule_next_batch(self, token_budget: int, reserved_pages: int) -> Batch | None:
-        adder = PrefillAdder(token_budget, reserved_pages, self.cache_manager, self.table_manager)
+    def schedule_next_batch(self, token_budget: int) -> Batch | None:
+        adder = PrefillAdder(token_budget, self.cache_manager, self.table_manager)
         for req in self.pending:
             if not adder.try_add(req):
                 break

@@ -73,7 +73,7 @@ class Scheduler:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.enable_mixed_chunk = enable_mixed_chunk
         self.prefill_manager = PrefillManager(cache_manager, table_manager)
-        self.decode_manager = DecodeManager(cache_manager, decode_tokens_per_step)
+        self.decode_manager = DecodeManager(decode_tokens_per_step)
 
     def add_req(self, req: Req) -> None:
         """Queue a validated request (see Engine.add_request) for prefill; a request already seen is refused."""
@@ -94,11 +94,10 @@ class Scheduler:
         Its requests are advanced as launched (the engine runs every batch it is given): if the step raises before it
         is booked, the engine aborts them (`abort_req`), which gives back everything they hold wherever they are.
         """
-        reserved_pages = self.decode_manager.reserved_pages + self.prefill_manager.reserved_pages
         decoding = self.decode_manager.decodable()
         budget = self.max_prefill_tokens - len(decoding)
         mixed = self.enable_mixed_chunk and decoding and budget > 0
-        batch = self.prefill_manager.schedule_next_batch(budget if mixed else self.max_prefill_tokens, reserved_pages)
+        batch = self.prefill_manager.schedule_next_batch(budget if mixed else self.max_prefill_tokens)
         if batch is None:
             batch = self.decode_manager.schedule_next_batch()
         elif mixed:
