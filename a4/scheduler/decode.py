@@ -30,8 +30,8 @@ class DecodeManager:
         is its last (`max_new_tokens`) only waits for that step's booking to finish it."""
         return [req for req in self.running if req.num_sampled < req.sampling_params.max_new_tokens]
 
-    def schedule_next_batch(self) -> Batch | None:
-        reqs = self.decodable()
+    def batch(self, reqs: list[Req]) -> Batch | None:
+        """A decode step over reqs (`decodable()`), or None for none."""
         if not reqs:
             return None
         num_reqs = len(reqs)

@@ -97,9 +97,11 @@ class Scheduler:
         decoding = self.decode_manager.decodable()
         budget = self.max_prefill_tokens - len(decoding)
         mixed = self.enable_mixed_chunk and decoding and budget > 0
-        batch = self.prefill_manager.schedule_next_batch(budget if mixed else self.max_prefill_tokens)
+        batch = None
+        if self.prefill_manager.runnable:
+            batch = self.prefill_manager.schedule_next_batch(budget if mixed else self.max_prefill_tokens)
         if batch is None:
-            batch = self.decode_manager.schedule_next_batch()
+            batch = self.decode_manager.batch(decoding)
         elif mixed:
             batch = Batch(
                 reqs=batch.reqs + decoding,
