@@ -174,8 +174,9 @@ def test_lint_flags_outputs_titles_and_check_tags(tmp_path: Path) -> None:
         nbformat.v4.new_markdown_cell("No title here"),
         nbformat.v4.new_code_cell("1", execution_count=3),
         nbformat.v4.new_code_cell("2", metadata={"tags": ["check"]}),
-        nbformat.v4.new_code_cell("3", metadata={"tags": ["check", "check:a"]}),
-        nbformat.v4.new_code_cell("4", metadata={"tags": ["check", "check:a"]}),
+        nbformat.v4.new_code_cell('with checking("a"):\n    3', metadata={"tags": ["check", "check:a"]}),
+        nbformat.v4.new_code_cell('with checking("a"):\n    4', metadata={"tags": ["check", "check:a"]}),
+        nbformat.v4.new_code_cell('with checking("b"):\n    5', metadata={"tags": ["check", "check:c"]}),
     ]
     path = tmp_path / "01_demo.ipynb"
     nbformat.write(nbformat.v4.new_notebook(cells=cells), path)
@@ -185,6 +186,7 @@ def test_lint_flags_outputs_titles_and_check_tags(tmp_path: Path) -> None:
         "01_demo.ipynb: Cell 0: stored with outputs or an execution count (clear them before committing)",
         "01_demo.ipynb: Cell 1: a check cell needs the tag 'check' and exactly one 'check:<id>'",
         "01_demo.ipynb: Cell 3: check id 'a' is used twice",
+        """01_demo.ipynb: Cell 4: a check cell runs its body in with checking("c"): (its tag's id)""",
     ]
 
 

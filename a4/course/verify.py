@@ -2,13 +2,15 @@
 
 Static rules, read from the .ipynb files:
 - stored without outputs or execution counts; the first cell is a markdown cell starting with an H1 title;
-- a check cell has the tag `check` and exactly one `check:<id>` tag; ids are unique within a notebook;
+- a check cell has the tag `check` and exactly one `check:<id>` tag; ids are unique within a notebook; it runs its
+  body in `with checking("<id>"):` (a4.course.checks), which shows the check's result without ending Run All;
 - every exercise (a BEGIN SOLUTION marker) points at a notebook that exists and has at least one check cell.
 
 Pass 1, A4_SOLUTIONS=1: every cell of every notebook passes.
 
 Pass 2, the student skeleton (A4_SOLUTIONS unset):
-- every check cell fails (a check that passes on the skeleton checks nothing), and fails because an exercise is not
+- every check cell fails (a check that passes on the skeleton checks nothing), as the record `checking` leaves in
+  its output says, and fails because an exercise is not
   written yet (NotImplementedError "Exercise ...") or because its comparison failed (AssertionError/CheckFailed),
   never for an unrelated reason such as a NameError;
 - every other cell passes, or fails only with NotImplementedError "Exercise ...".
@@ -61,6 +63,8 @@ def lint_notebook(path: Path) -> list[str]:
             if check_id in seen:
                 problems.append(f"{where}: check id {check_id!r} is used twice")
             seen.add(check_id)
+            if not cell.source.startswith(runner := f'with checking("{check_id}"):\n'):
+                problems.append(f"{where}: a check cell runs its body in {runner.strip()} (its tag's id)")
     return problems
 
 
