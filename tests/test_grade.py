@@ -24,6 +24,7 @@ from nbclient import NotebookClient
 
 from a4._overlay import REPO_ROOT
 from a4.course.checks import FAILURE_MIME
+from a4.course.exercises import stubs
 from a4.course.grade import EXTENSIONS_FROM, REPORT_NAME, REQUIRED_CHECKS, print_report, report_student
 from a4.course.nbval_plugin import NOT_RUN, TIMEOUT, check_ids_of
 from a4.course.notebooks import cell_places, check_cells, notebook_paths, read_notebook, run_notebooks
@@ -317,3 +318,9 @@ def test_run_all_on_the_untouched_skeleton_reaches_every_check() -> None:
         records = [out.data[FAILURE_MIME] for out in cell.outputs if FAILURE_MIME in out.get("data", {})]
         assert shown(cell).startswith(f"FAILED {check_id}: exercise config-"), shown(cell)
         assert [record["ename"] for record in records] == ["NotImplementedError"]
+    # One first exercise: the previews, the first check and `make demo` (tests/test_handout.py) name the first stub.
+    first = stubs(REPO_ROOT)[0].id
+    code = [shown(cell) for cell in notebook.cells if cell.cell_type == "code"]
+    previews = [text for text in code if "Not implemented yet." in text]
+    assert previews and all(f"Not implemented yet. Exercise {first}:" in text for text in previews), previews
+    assert shown(checks[CHECKS[0]]).startswith(f"FAILED {CHECKS[0]}: exercise {first} not written yet")
