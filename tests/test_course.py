@@ -15,6 +15,7 @@ import nbformat
 import pytest
 
 from a4._overlay import REPO_ROOT
+from a4.course.demo import needs_exercise
 from a4.course.exercises import (
     MarkerError,
     all_exercises,
@@ -243,6 +244,18 @@ def test_an_unwritten_exercise_is_recognised_through_the_errors_raised_from_it()
     assert exercise_named_in("NotImplementedError: some library's own stub") is None
     reworded = "exercise gdn-layer not written yet: the layer (notebooks/04_gated_deltanet.ipynb)"
     assert not_written_yet(message) == reworded
+
+
+def test_a_demonstration_names_the_missing_exercise_and_lets_other_errors_through(capsys) -> None:
+    message = "Exercise gdn-layer: the layer (notebooks/04_gated_deltanet.ipynb)"
+    server_error = RuntimeError(f"Error code: 500 - the step raised NotImplementedError: {message}")
+    for error in (NotImplementedError(message), server_error):
+        with needs_exercise():
+            raise error
+        assert capsys.readouterr().out.startswith(f"Not implemented yet. {message}\n")
+    for error in (NotImplementedError("some library's own stub"), RuntimeError("Error code: 500")):
+        with pytest.raises(type(error)), needs_exercise():
+            raise error
 
 
 @pytest.mark.parametrize("command", ["check", "sync", "verify-notebooks"])
