@@ -15,7 +15,7 @@ import nbformat
 import pytest
 
 from a4._overlay import REPO_ROOT
-from a4.course.demo import needs_exercise
+from a4.course.demo import explore, needs_exercise
 from a4.course.exercises import (
     MarkerError,
     all_exercises,
@@ -256,6 +256,27 @@ def test_a_demonstration_names_the_missing_exercise_and_lets_other_errors_throug
     for error in (NotImplementedError("some library's own stub"), RuntimeError("Error code: 500")):
         with pytest.raises(type(error)), needs_exercise():
             raise error
+
+
+def test_an_explorer_shows_every_choice_by_name_and_calls_with_its_value(monkeypatch) -> None:
+    """A None choice included (notebook 06's state_fraction): an ipywidgets Dropdown whose value is None shows none."""
+    import ipywidgets
+
+    monkeypatch.delenv("A4_STATIC", raising=False)
+    built = []  # the interactive that interact would display
+    monkeypatch.setattr(ipywidgets, "interact", lambda f, **widgets: built.append(ipywidgets.interactive(f, **widgets)))
+    calls = []
+    explore(lambda **kwargs: calls.append(kwargs), state_fraction=[None, 0.5], model=["0.8B", "35B-A3B"])
+    (interactive,) = built
+    state_fraction, model = interactive.children[:2]
+    assert [label for label, _ in state_fraction.options] == ["None", "0.5"] and state_fraction.label == "None"
+    model.index = 1
+    state_fraction.index = 1
+    assert calls == [
+        {"state_fraction": None, "model": "0.8B"},
+        {"state_fraction": None, "model": "35B-A3B"},
+        {"state_fraction": 0.5, "model": "35B-A3B"},
+    ]
 
 
 @pytest.mark.parametrize("command", ["check", "sync", "verify-notebooks"])

@@ -25,9 +25,9 @@ from nbclient import NotebookClient
 from a4._overlay import REPO_ROOT
 from a4.course.checks import FAILURE_MIME
 from a4.course.exercises import stubs
-from a4.course.grade import EXTENSIONS_FROM, REPORT_NAME, REQUIRED_CHECKS, print_report, report_student
+from a4.course.grade import EXTENSIONS_FROM, REPORT_NAME, REQUIRED_CHECKS, graded, print_report, report_student
 from a4.course.nbval_plugin import NOT_RUN, TIMEOUT, check_ids_of
-from a4.course.notebooks import cell_places, check_cells, notebook_paths, read_notebook, run_notebooks
+from a4.course.notebooks import CellResult, cell_places, check_cells, notebook_paths, read_notebook, run_notebooks
 
 NOTEBOOK = "01_config.ipynb"
 CHECKS = list(check_cells(read_notebook(REPO_ROOT / "notebooks" / NOTEBOOK)))
@@ -324,3 +324,12 @@ def test_run_all_on_the_untouched_skeleton_reaches_every_check() -> None:
     previews = [text for text in code if "Not implemented yet." in text]
     assert previews and all(f"Not implemented yet. Exercise {first}:" in text for text in previews), previews
     assert shown(checks[CHECKS[0]]).startswith(f"FAILED {CHECKS[0]}: exercise {first} not written yet")
+
+
+def test_a_fail_line_says_where_the_other_problems_are() -> None:
+    """The console shows a check's first line only: its other problems are in the JUnit report, not "below"."""
+    evalue = "layer 3: max error 0.5 (and 2 more below)\n  - layer 3: max error 0.5\n  - layer 4\n  - layer 5"
+    result = CellResult(NOTEBOOK, 3, "config-parsing", "failed", "CheckFailed", evalue, evalue, 0.1)
+    check = graded(NOTEBOOK, "config-parsing", result, "")
+    assert check.why == "CheckFailed: layer 3: max error 0.5 (and 2 more in the JUnit report)"
+    assert check.traceback == evalue

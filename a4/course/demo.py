@@ -43,4 +43,14 @@ def explore(show: Callable[..., None], **choices: Sequence[Any]) -> None:
     if ipywidgets is None or static_mode():
         show(**{name: values[0] for name, values in choices.items()})
         return
-    ipywidgets.interact(show, **{name: list(values) for name, values in choices.items()})
+
+    def show_chosen(**indices: int) -> None:
+        show(**{name: choices[name][i] for name, i in indices.items()})
+
+    # Each dropdown's values are the choices' indices: a Dropdown whose value is None shows no label, as if nothing
+    # were chosen, and a choice may be None (the default of an option).
+    dropdowns = {
+        name: ipywidgets.Dropdown(options=[(str(value), i) for i, value in enumerate(values)], description=name)
+        for name, values in choices.items()
+    }
+    ipywidgets.interact(show_chosen, **dropdowns)

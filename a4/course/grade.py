@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import filecmp
 import os
+import re
 import tempfile
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass
@@ -142,6 +143,11 @@ def changed_files(workspace: Path, student: Path, exercise_files: set[Path]) -> 
     return changed
 
 
+# How a check's first line says that more problems follow it (checks.conclude): below it in the notebook, but in the
+# JUnit report's failure text for a reader of grade's console.
+MORE_BELOW = re.compile(r"\(and (?P<more>\d+) more below\)")
+
+
 def graded(notebook: str, check_id: str, result: CellResult | None, tampered: str) -> Graded:
     if result is None:
         return Graded(notebook, check_id, "NOT RUN", "NOT RUN: the run ended before this check", "", 0.0, tampered)
@@ -149,7 +155,7 @@ def graded(notebook: str, check_id: str, result: CellResult | None, tampered: st
         status = "TIMEOUT" if result.ename == TIMEOUT else "NOT RUN"
     else:
         status = {"passed": "PASS", "failed": "FAIL"}.get(result.outcome, "SKIP")
-    why = "" if status == "PASS" else result.error
+    why = "" if status == "PASS" else MORE_BELOW.sub(r"(and \g<more> more in the JUnit report)", result.error)
     return Graded(notebook, check_id, status, why, result.traceback, result.duration, tampered)
 
 
