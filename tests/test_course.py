@@ -29,8 +29,11 @@ from a4.course.exercises import (
     sync,
     unwritten_exercise,
 )
-from a4.course.notebooks import CellResult
-from a4.course.verify import lint_notebook, skeleton_violations
+from a4.course.checks._earlier import EARLIER_CHECKS
+from a4.course.checks.registry import BY_ID, CHECKS, checks_of
+from a4.course.grade import REQUIRED_CHECKS
+from a4.course.notebooks import CellResult, check_cells, read_notebook
+from a4.course.verify import lint, lint_notebook, skeleton_violations
 
 SOLUTION = textwrap.dedent(
     '''\
@@ -194,6 +197,26 @@ def test_lint_flags_outputs_titles_and_check_tags(tmp_path: Path) -> None:
 def test_committed_notebooks_follow_the_rules() -> None:
     for path in sorted((REPO_ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb")):
         assert lint_notebook(path) == []
+
+
+def test_the_table_of_checks_is_what_the_notebooks_grade_and_the_engine_checks_name(tmp_path: Path) -> None:
+    notebooks = sorted((REPO_ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+    assert lint(REPO_ROOT, notebooks) == []
+    assert [c.id for c in CHECKS] == [i for path in notebooks for i in check_cells(read_notebook(path))]
+    assert REQUIRED_CHECKS == {
+        "config-parsing", "weight-loading", "decode-single", "decode-varlen", "decode-chunked", "decode-slot-reuse",
+        "prefix-cache-refuse", "prefix-cache-checkpoint",
+    }  # fmt: skip
+    for earlier in EARLIER_CHECKS:
+        assert BY_ID[earlier.check_id].notebook.startswith(earlier.notebook), earlier
+    # A notebook whose check cells differ from the table's is named.
+    notebook = read_notebook(REPO_ROOT / "notebooks/01_config.ipynb")
+    notebook.cells = [cell for cell in notebook.cells if "check:config-moe" not in cell.metadata.get("tags", [])]
+    nbformat.write(notebook, tmp_path / "01_config.ipynb")
+    assert [p for p in lint(REPO_ROOT, [tmp_path / "01_config.ipynb"]) if "table of checks" in p] == [
+        f"01_config.ipynb: its check cells {checks_of('01_config')[:3] + checks_of('01_config')[4:]} are not those of "
+        f"the table of checks (a4/course/checks/registry.py), in its order: {checks_of('01_config')}"
+    ]
 
 
 def _cell(check_id: str | None, outcome: str, ename: str = "", evalue: str = "") -> CellResult:
