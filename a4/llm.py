@@ -60,7 +60,8 @@ class LLM:
 
     def close(self) -> None:
         """Stop the worker processes of a tensor-parallel LLM (`tensor_parallel_size` > 1; they also stop when the
-        LLM is collected or Python exits). Nothing to do for one process; safe to call twice."""
+        LLM is collected, when a new tensor-parallel LLM takes over the process's group, or when Python exits).
+        Nothing to do for one process; safe to call twice."""
         self.engine.close()
 
     def __enter__(self) -> LLM:

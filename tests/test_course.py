@@ -15,6 +15,7 @@ import nbformat
 import pytest
 
 from a4._overlay import REPO_ROOT
+from a4.course.demo import explore, needs_exercise
 from a4.course.exercises import (
     MarkerError,
     all_exercises,
@@ -28,8 +29,11 @@ from a4.course.exercises import (
     sync,
     unwritten_exercise,
 )
-from a4.course.notebooks import CellResult
-from a4.course.verify import lint_notebook, skeleton_violations
+from a4.course.checks._earlier import EARLIER_CHECKS
+from a4.course.checks.registry import BY_ID, CHECKS, checks_of
+from a4.course.grade import REQUIRED_CHECKS
+from a4.course.notebooks import CellResult, check_cells, read_notebook
+from a4.course.verify import lint, lint_notebook, skeleton_violations
 
 SOLUTION = textwrap.dedent(
     '''\
@@ -174,8 +178,9 @@ def test_lint_flags_outputs_titles_and_check_tags(tmp_path: Path) -> None:
         nbformat.v4.new_markdown_cell("No title here"),
         nbformat.v4.new_code_cell("1", execution_count=3),
         nbformat.v4.new_code_cell("2", metadata={"tags": ["check"]}),
-        nbformat.v4.new_code_cell("3", metadata={"tags": ["check", "check:a"]}),
-        nbformat.v4.new_code_cell("4", metadata={"tags": ["check", "check:a"]}),
+        nbformat.v4.new_code_cell('with checking("a"):\n    3', metadata={"tags": ["check", "check:a"]}),
+        nbformat.v4.new_code_cell('with checking("a"):\n    4', metadata={"tags": ["check", "check:a"]}),
+        nbformat.v4.new_code_cell('with checking("b"):\n    5', metadata={"tags": ["check", "check:c"]}),
     ]
     path = tmp_path / "01_demo.ipynb"
     nbformat.write(nbformat.v4.new_notebook(cells=cells), path)
@@ -185,12 +190,33 @@ def test_lint_flags_outputs_titles_and_check_tags(tmp_path: Path) -> None:
         "01_demo.ipynb: Cell 0: stored with outputs or an execution count (clear them before committing)",
         "01_demo.ipynb: Cell 1: a check cell needs the tag 'check' and exactly one 'check:<id>'",
         "01_demo.ipynb: Cell 3: check id 'a' is used twice",
+        """01_demo.ipynb: Cell 4: a check cell runs its body in with checking("c"): (its tag's id)""",
     ]
 
 
 def test_committed_notebooks_follow_the_rules() -> None:
     for path in sorted((REPO_ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb")):
         assert lint_notebook(path) == []
+
+
+def test_the_table_of_checks_is_what_the_notebooks_grade_and_the_engine_checks_name(tmp_path: Path) -> None:
+    notebooks = sorted((REPO_ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+    assert lint(REPO_ROOT, notebooks) == []
+    assert [c.id for c in CHECKS] == [i for path in notebooks for i in check_cells(read_notebook(path))]
+    assert REQUIRED_CHECKS == {
+        "config-parsing", "weight-loading", "decode-single", "decode-varlen", "decode-chunked", "decode-slot-reuse",
+        "prefix-cache-refuse", "prefix-cache-checkpoint",
+    }  # fmt: skip
+    for earlier in EARLIER_CHECKS:
+        assert BY_ID[earlier.check_id].notebook.startswith(earlier.notebook), earlier
+    # A notebook whose check cells differ from the table's is named.
+    notebook = read_notebook(REPO_ROOT / "notebooks/01_config.ipynb")
+    notebook.cells = [cell for cell in notebook.cells if "check:config-moe" not in cell.metadata.get("tags", [])]
+    nbformat.write(notebook, tmp_path / "01_config.ipynb")
+    assert [p for p in lint(REPO_ROOT, [tmp_path / "01_config.ipynb"]) if "table of checks" in p] == [
+        f"01_config.ipynb: its check cells {checks_of('01_config')[:3] + checks_of('01_config')[4:]} are not those of "
+        f"the table of checks (a4/course/checks/registry.py), in its order: {checks_of('01_config')}"
+    ]
 
 
 def _cell(check_id: str | None, outcome: str, ename: str = "", evalue: str = "") -> CellResult:
@@ -241,6 +267,39 @@ def test_an_unwritten_exercise_is_recognised_through_the_errors_raised_from_it()
     assert exercise_named_in("NotImplementedError: some library's own stub") is None
     reworded = "exercise gdn-layer not written yet: the layer (notebooks/04_gated_deltanet.ipynb)"
     assert not_written_yet(message) == reworded
+
+
+def test_a_demonstration_names_the_missing_exercise_and_lets_other_errors_through(capsys) -> None:
+    message = "Exercise gdn-layer: the layer (notebooks/04_gated_deltanet.ipynb)"
+    server_error = RuntimeError(f"Error code: 500 - the step raised NotImplementedError: {message}")
+    for error in (NotImplementedError(message), server_error):
+        with needs_exercise():
+            raise error
+        assert capsys.readouterr().out.startswith(f"Not implemented yet. {message}\n")
+    for error in (NotImplementedError("some library's own stub"), RuntimeError("Error code: 500")):
+        with pytest.raises(type(error)), needs_exercise():
+            raise error
+
+
+def test_an_explorer_shows_every_choice_by_name_and_calls_with_its_value(monkeypatch) -> None:
+    """A None choice included (notebook 06's state_fraction): an ipywidgets Dropdown whose value is None shows none."""
+    import ipywidgets
+
+    monkeypatch.delenv("A4_STATIC", raising=False)
+    built = []  # the interactive that interact would display
+    monkeypatch.setattr(ipywidgets, "interact", lambda f, **widgets: built.append(ipywidgets.interactive(f, **widgets)))
+    calls = []
+    explore(lambda **kwargs: calls.append(kwargs), state_fraction=[None, 0.5], model=["0.8B", "35B-A3B"])
+    (interactive,) = built
+    state_fraction, model = interactive.children[:2]
+    assert [label for label, _ in state_fraction.options] == ["None", "0.5"] and state_fraction.label == "None"
+    model.index = 1
+    state_fraction.index = 1
+    assert calls == [
+        {"state_fraction": None, "model": "0.8B"},
+        {"state_fraction": None, "model": "35B-A3B"},
+        {"state_fraction": 0.5, "model": "35B-A3B"},
+    ]
 
 
 @pytest.mark.parametrize("command", ["check", "sync", "verify-notebooks"])

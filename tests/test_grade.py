@@ -4,12 +4,14 @@ reported TIMEOUT and the next check runs, even when the loop ignores the interru
 a budget, and the report and the JUnit file keep one entry per check id, in the groups required / other / optional.
 
 Each grading covers notebook 01 of a handout from `release` (tests/handout_commands.py); the budget per notebook and
-the names of failing cells are tested on small notebooks of their own. Each student's report goes to their own
-directory, and no report of one student is overwritten by another's.
+the names of failing cells are tested on small notebooks of their own. A failing check cell ends without an error,
+so that Run All in JupyterLab reaches every check, and grading still counts it failed. Each student's report goes to
+their own directory, and no report of one student is overwritten by another's.
 """
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
@@ -18,11 +20,14 @@ from pathlib import Path
 import nbformat
 import pytest
 from handout_commands import environment, make_handout, solve
+from nbclient import NotebookClient
 
 from a4._overlay import REPO_ROOT
-from a4.course.grade import EXTENSIONS_FROM, REPORT_NAME, REQUIRED_CHECKS, print_report, report_student
-from a4.course.nbval_plugin import NOT_RUN, TIMEOUT
-from a4.course.notebooks import cell_places, check_cells, notebook_paths, read_notebook, run_notebooks
+from a4.course.checks import FAILURE_MIME
+from a4.course.exercises import stubs
+from a4.course.grade import EXTENSIONS_FROM, REPORT_NAME, REQUIRED_CHECKS, graded, print_report, report_student
+from a4.course.nbval_plugin import NOT_RUN, TIMEOUT, check_ids_of
+from a4.course.notebooks import CellResult, cell_places, check_cells, notebook_paths, read_notebook, run_notebooks
 
 NOTEBOOK = "01_config.ipynb"
 CHECKS = list(check_cells(read_notebook(REPO_ROOT / "notebooks" / NOTEBOOK)))
@@ -255,3 +260,76 @@ def test_each_students_report_is_their_own(tmp_path: Path) -> None:
     assert report_student(shared) == str(alice)
     assert grade(alice, shared, "--budget", "0")[0] == 1  # the same student again: the report is theirs to replace
     assert (alice / REPORT_NAME).read_bytes() == kept
+
+
+def run_all(path: Path, **env: str) -> nbformat.NotebookNode:
+    """The notebook after Run All as JupyterLab does it: stopping at the first cell that ends in an error (nbclient
+    raises CellExecutionError there). The kernel runs the student's code (A4_SOLUTIONS unset)."""
+    notebook = nbformat.read(path, as_version=4)
+    kernel_env = {k: v for k, v in os.environ.items() if k != "A4_SOLUTIONS"} | {"PYTHONPATH": str(REPO_ROOT), **env}
+    NotebookClient(notebook, timeout=600, resources={"metadata": {"path": str(path.parent)}}).execute(env=kernel_env)
+    return notebook
+
+
+def shown(cell: nbformat.NotebookNode) -> str:
+    """The text a reader sees in a cell's output."""
+    return "".join(out.get("text", "") or out.get("data", {}).get("text/plain", "") for out in cell.outputs)
+
+
+STUB = 'raise NotImplementedError("Exercise config-moe: the expert fields (notebooks/01_config.ipynb)")'
+
+
+def test_failing_checks_end_without_an_error_and_are_counted_failed(tmp_path: Path) -> None:
+    path = small_notebook(
+        tmp_path / "01_checks.ipynb",
+        ("from a4.course.checks import CheckFailed, checking", None),
+        (f'with checking("unwritten"):\n    {STUB}', "unwritten"),
+        ('with checking("wrong"):\n    raise CheckFailed("layer 3 is wrong (and 1 more below)\\n  - x")', "wrong"),
+        ('with checking("crashes"):\n    {}["missing"]', "crashes"),
+        ('with checking("fine"):\n    print("all good")', "fine"),
+    )
+
+    notebook = run_all(path)  # no CellExecutionError: every cell ran
+    outputs = {check_ids_of(cell)[0]: shown(cell) for cell in notebook.cells[2:]}
+    assert outputs["unwritten"].startswith(
+        "FAILED unwritten: exercise config-moe not written yet: the expert fields (notebooks/01_config.ipynb)"
+    ), outputs
+    assert outputs["wrong"].startswith("FAILED wrong: layer 3 is wrong"), outputs
+    assert outputs["crashes"].startswith("FAILED crashes: KeyError: 'missing'") and "Traceback" in outputs["crashes"]
+    assert outputs["fine"] == "all good\nPASSED fine\n", outputs
+
+    results = run_notebooks([path], tmp_path, solutions=False, workers=1)
+    outcomes = {r.check_id: (r.outcome, r.ename) for r in results if r.check_id}
+    assert outcomes == {
+        "unwritten": ("failed", "NotImplementedError"),
+        "wrong": ("failed", "CheckFailed"),
+        "crashes": ("failed", "KeyError"),
+        "fine": ("passed", ""),
+    }
+    assert next(r for r in results if r.check_id == "unwritten").exercise_not_implemented
+
+
+def test_run_all_on_the_untouched_skeleton_reaches_every_check() -> None:
+    notebook = run_all(REPO_ROOT / "notebooks" / NOTEBOOK)
+
+    checks = {ids[0]: cell for cell in notebook.cells if (ids := check_ids_of(cell))}
+    assert list(checks) == CHECKS
+    for check_id, cell in checks.items():
+        records = [out.data[FAILURE_MIME] for out in cell.outputs if FAILURE_MIME in out.get("data", {})]
+        assert shown(cell).startswith(f"FAILED {check_id}: exercise config-"), shown(cell)
+        assert [record["ename"] for record in records] == ["NotImplementedError"]
+    # One first exercise: the previews, the first check and `make demo` (tests/test_handout.py) name the first stub.
+    first = stubs(REPO_ROOT)[0].id
+    code = [shown(cell) for cell in notebook.cells if cell.cell_type == "code"]
+    previews = [text for text in code if "Not implemented yet." in text]
+    assert previews and all(f"Not implemented yet. Exercise {first}:" in text for text in previews), previews
+    assert shown(checks[CHECKS[0]]).startswith(f"FAILED {CHECKS[0]}: exercise {first} not written yet")
+
+
+def test_a_fail_line_says_where_the_other_problems_are() -> None:
+    """The console shows a check's first line only: its other problems are in the JUnit report, not "below"."""
+    evalue = "layer 3: max error 0.5 (and 2 more below)\n  - layer 3: max error 0.5\n  - layer 4\n  - layer 5"
+    result = CellResult(NOTEBOOK, 3, "config-parsing", "failed", "CheckFailed", evalue, evalue, 0.1)
+    check = graded(NOTEBOOK, "config-parsing", result, "")
+    assert check.why == "CheckFailed: layer 3: max error 0.5 (and 2 more in the JUnit report)"
+    assert check.traceback == evalue

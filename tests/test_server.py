@@ -29,6 +29,8 @@ from server_helpers import (
 )
 from transformers import AutoTokenizer
 
+from a4.course.demo import needs_exercise
+from a4.course.exercises import not_written_yet
 from a4.reference import hf_greedy
 from a4.server.detokenizer import IncrementalDetokenizer
 from a4.server.launch import build_app
@@ -208,6 +210,32 @@ def test_bad_input_is_a_400_in_openai_shape_and_the_server_goes_on(server, body,
     assert set(error) == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error"
     assert error["message"] and error["param"] == param, error
     assert client(base_url).completions.create(model=MODEL, prompt="x", max_tokens=2).usage.completion_tokens == 2
+
+
+STUB = "Exercise spec-conv-verify: the conv over L tokens per request (notebooks/11_speculative.ipynb)"
+
+
+def test_an_unwritten_exercise_is_a_500_naming_it_and_one_log_line(server, monkeypatch, caplog, capsys):
+    """A student's handout (notebook 12 before notebook 11's exercises): the client's error names the exercise, and
+    so does the log, in one line rather than a traceback; a notebook's needs_exercise() says which one is missing."""
+    base_url, engine_loop = server
+
+    def unwritten(*args, **kwargs):
+        raise NotImplementedError(STUB)
+
+    monkeypatch.setattr(engine_loop.engine.worker, "run_batch", unwritten)
+    with pytest.raises(openai.InternalServerError) as raised:
+        client(base_url).completions.create(model=MODEL, prompt="Hi", max_tokens=4)
+    assert f"NotImplementedError: {STUB}" in raised.value.message
+    with needs_exercise():
+        client(base_url).completions.create(model=MODEL, prompt="Hi", max_tokens=4)
+    assert f"Not implemented yet. {STUB}" in capsys.readouterr().out
+    logged = [r for r in caplog.records if r.name == "a4.server.engine_loop"]
+    assert [(r.levelname, r.getMessage(), r.exc_info) for r in logged] == [
+        ("ERROR", f"an engine step raised: {not_written_yet(STUB)}", None)
+    ] * 2
+    monkeypatch.undo()
+    assert client(base_url).completions.create(model=MODEL, prompt="Hi", max_tokens=4).choices[0].text
 
 
 def test_prompt_longer_than_the_context_is_named_so(server):

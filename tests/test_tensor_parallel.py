@@ -10,10 +10,12 @@ checks, to keep the spawned processes few. What each layer's share computes is t
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 
 import pytest
+import torch.distributed as dist
 
 from a4 import LLM, SamplingParams
 from a4.checkpoints import tiny_checkpoint
@@ -228,3 +230,46 @@ def test_a_worker_killed_during_a_step_is_a_clear_error():
         with pytest.raises(RuntimeError, match="worker rank 1 .* was killed by SIGKILL"):
             llm.generate(prompts(5), SamplingParams(max_new_tokens=2))
         assert not worker.is_alive()
+
+
+# --- a cell run again -------------------------------------------------------------------------------------------
+
+
+def test_a_new_engine_takes_over_from_the_one_before():
+    """A notebook cell `llm = LLM(..., tensor_parallel_size=2)` run twice: the second engine serves, the first is shut
+    down (its worker gone, its calls refused, saying why)."""
+    checkpoint = tiny_checkpoint("qwen3")
+    first = LLM(checkpoint, tensor_parallel_size=2, **ENGINE)
+    (first_worker,) = first.engine.tp.workers
+    with LLM(checkpoint, tensor_parallel_size=2, **ENGINE) as second:
+        assert first_worker.exitcode is not None
+        with pytest.raises(RuntimeError, match="engine is down .*a newer tensor-parallel LLM took over"):
+            first.generate(prompts(5), SamplingParams(max_new_tokens=2))
+        first.close()  # leaves the second's group alone
+        assert_matches_transformers(second, checkpoint, prompts(5, 9))
+
+
+def test_an_unreachable_engine_releases_its_worker_and_group():
+    """Dropped without close(): its worker and group are released when it is collected, and an engine that sits in a
+    reference cycle the garbage collector has not freed yet is taken over by the next one."""
+    checkpoint = tiny_checkpoint("qwen3")
+
+    def dropped(in_a_cycle: bool) -> list:
+        llm = LLM(checkpoint, tensor_parallel_size=2, **ENGINE)
+        llm.generate(prompts(5), SamplingParams(max_new_tokens=2))
+        if in_a_cycle:
+            llm.itself = llm
+        return llm.engine.tp.workers
+
+    (collected,) = dropped(in_a_cycle=False)
+    assert collected.exitcode is not None and not dist.is_initialized()
+    gc.disable()
+    try:
+        (uncollected,) = dropped(in_a_cycle=True)
+        assert uncollected.is_alive() and dist.is_initialized()
+        with LLM(checkpoint, tensor_parallel_size=2, **ENGINE) as llm:
+            assert uncollected.exitcode is not None
+            gc.collect()  # the old engine's release leaves the new group alone
+            assert_matches_transformers(llm, checkpoint, prompts(5))
+    finally:
+        gc.enable()

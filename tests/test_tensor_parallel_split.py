@@ -74,3 +74,14 @@ def test_split_check_names_the_mistake(split, says):
 
 def test_the_planted_mistakes_start_from_a_right_split():
     checks.check_gdn_split(right_share)
+
+
+def test_the_layer_and_engine_checks_name_a_wrong_split_not_its_symptoms(monkeypatch):
+    """Before any rank starts: the split check's failure, not a layer's error or a differing token."""
+    says = r"^the split is wrong, as the check tp-gdn-split says: fix it first \(likely cause: a value head"
+    with pytest.raises(CheckFailed, match=says):
+        checks.check_gdn_layer_split(round_robin_value_heads, tiny_checkpoint("qwen3_5"))
+    # The engine runs the split of a4/distributed/gdn_split.py.
+    monkeypatch.setattr("a4.distributed.gdn_split.gdn_rank_share", round_robin_value_heads)
+    with pytest.raises(CheckFailed, match=says):
+        checks.check_tensor_parallel_engine(tiny_checkpoint("qwen3_5"))

@@ -55,6 +55,9 @@ def cmd_check(args: argparse.Namespace) -> int:
 def cmd_list(args: argparse.Namespace) -> int:
     from a4.course.exercises import stubs
 
+    if args.checks:
+        return list_checks()
+
     # The raise lines of the student files: in a handout without solutions/ they are all there is to read, and the
     # list shrinks as exercises are written.
     left = stubs(REPO_ROOT)
@@ -67,6 +70,16 @@ def cmd_list(args: argparse.Namespace) -> int:
     print(f"{'exercise':{widths[0]}}  {'file':{widths[1]}}  {'notebook':{widths[2]}}  what to write")
     for row in rows:
         print(f"{row[0]:{widths[0]}}  {row[1]:{widths[1]}}  {row[2]:{widths[2]}}  {row[3]}")
+    return 0
+
+
+def list_checks() -> int:
+    from a4.course.checks.registry import CHECKS
+
+    width = max(len(check.id) for check in CHECKS)
+    print(f"{len(CHECKS)} checks, in notebook order (grade's groups: required, other, optional):\n")
+    for check in CHECKS:
+        print(f"{check.id:{width}}  {check.group:8}  notebooks/{check.notebook}.ipynb")
     return 0
 
 
@@ -116,7 +129,9 @@ def main(argv: list[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("sync", help="regenerate the student files from solutions/").set_defaults(run=cmd_sync)
     commands.add_parser("check", help="fail if a student file is out of date").set_defaults(run=cmd_check)
-    commands.add_parser("list", help="the exercises still to write").set_defaults(run=cmd_list)
+    listing = commands.add_parser("list", help="the exercises still to write (--checks: every check)")
+    listing.add_argument("--checks", action="store_true", help="list every check, its group and its notebook")
+    listing.set_defaults(run=cmd_list)
     verify = commands.add_parser("verify-notebooks", help="notebooks pass on solutions, checks fail on the skeleton")
     verify.add_argument(
         "--notebook", action="append", metavar="PREFIX", help="only notebooks starting with PREFIX (repeatable)"

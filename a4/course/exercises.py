@@ -240,11 +240,17 @@ def stubs(root: Path = REPO_ROOT) -> list[Stub]:
 
 def unwritten_exercise(error: BaseException) -> str | None:
     """The message of the unwritten exercise whose NotImplementedError is `error` or an exception it was raised from."""
+    stub = unwritten_exercise_error(error)
+    return None if stub is None else str(stub)
+
+
+def unwritten_exercise_error(error: BaseException | None) -> NotImplementedError | None:
+    """The NotImplementedError of an unwritten exercise that is `error` or an exception it was raised from."""
     seen = set()
     while error is not None and id(error) not in seen:
         seen.add(id(error))
         if isinstance(error, NotImplementedError) and MESSAGE_RE.fullmatch(str(error)):
-            return str(error)
+            return error
         error = error.__cause__ or error.__context__
     return None
 

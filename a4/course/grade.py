@@ -19,9 +19,10 @@ has spent its share of the budget (`notebook_share`): an exercise that loops in 
 the other notebooks their time. Every check of the notebooks graded gets a line, read from the notebooks before the
 run, so a run cut short never shrinks the total.
 
-The report groups the checks: REQUIRED_CHECKS (the assignment's four checks: config parsing, weight loading, greedy
-decoding equal to transformers in four settings, the prefix cache), the other checks, and the optional extensions
-(notebooks from EXTENSIONS_FROM on), each with its own total. The exit status is 0 when every required and other
+The report groups the checks as the table of checks says (a4/course/checks/registry.py): the required ones (the
+assignment's four checks: config parsing, weight loading, greedy decoding equal to transformers in four settings,
+the prefix cache), the other checks, and the optional extensions (notebooks from EXTENSIONS_FROM on), each with its
+own total. The exit status is 0 when every required and other
 check passes. The JUnit XML file has one test case per check id (classname: the notebook), one test suite per group.
 """
 
@@ -29,12 +30,14 @@ from __future__ import annotations
 
 import filecmp
 import os
+import re
 import tempfile
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass
 from pathlib import Path
 
 from a4._overlay import REPO_ROOT
+from a4.course.checks.registry import CHECKS, EXTENSIONS_FROM, group_of
 from a4.course.exercises import SOLUTIONS_DIR, solution_files, student_path_of
 from a4.course.nbval_plugin import NOT_RUN, TIMEOUT
 from a4.course.notebooks import (
@@ -48,19 +51,7 @@ from a4.course.notebooks import (
 )
 from a4.course.release import release
 
-REQUIRED_CHECKS = frozenset(
-    {
-        "config-parsing",
-        "weight-loading",
-        "decode-single",
-        "decode-varlen",
-        "decode-chunked",
-        "decode-slot-reuse",
-        "prefix-cache-refuse",
-        "prefix-cache-checkpoint",
-    }
-)
-EXTENSIONS_FROM = "09"
+REQUIRED_CHECKS = frozenset(check.id for check in CHECKS if check.required)
 GROUPS = {
     "required": "required: the assignment's checks",
     "other": "other checks",
@@ -90,9 +81,7 @@ class Graded:
 
     @property
     def group(self) -> str:
-        if self.notebook >= EXTENSIONS_FROM:
-            return "optional"
-        return "required" if self.check_id in REQUIRED_CHECKS else "other"
+        return group_of(self.notebook, self.check_id)
 
 
 def notebook_share(budget: float, workers: int, notebooks: int) -> float:
@@ -142,6 +131,11 @@ def changed_files(workspace: Path, student: Path, exercise_files: set[Path]) -> 
     return changed
 
 
+# How a check's first line says that more problems follow it (checks.conclude): below it in the notebook, but in the
+# JUnit report's failure text for a reader of grade's console.
+MORE_BELOW = re.compile(r"\(and (?P<more>\d+) more below\)")
+
+
 def graded(notebook: str, check_id: str, result: CellResult | None, tampered: str) -> Graded:
     if result is None:
         return Graded(notebook, check_id, "NOT RUN", "NOT RUN: the run ended before this check", "", 0.0, tampered)
@@ -149,7 +143,7 @@ def graded(notebook: str, check_id: str, result: CellResult | None, tampered: st
         status = "TIMEOUT" if result.ename == TIMEOUT else "NOT RUN"
     else:
         status = {"passed": "PASS", "failed": "FAIL"}.get(result.outcome, "SKIP")
-    why = "" if status == "PASS" else result.error
+    why = "" if status == "PASS" else MORE_BELOW.sub(r"(and \g<more> more in the JUnit report)", result.error)
     return Graded(notebook, check_id, status, why, result.traceback, result.duration, tampered)
 
 

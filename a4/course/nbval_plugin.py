@@ -11,6 +11,8 @@ Load it with `pytest -p a4.course.nbval_plugin --nbval-lax --nbval-cell-timeout 
   that had completed before, so that it finds the notebook's state. With `--a4-budget B`, a cell that would start
   after B seconds of the run is reported `NOT RUN` instead; with `--a4-notebook-budget N`, so is a cell that would
   start after N seconds of its notebook, so that one notebook's timeouts cannot leave another unrun.
+- Failed checks: a check cell whose check fails ends without an error (`a4.course.checks.checking`, so that Run All
+  goes on) but leaves a record of the failure in its output; such a cell is reported failed, with the error recorded.
 - Results: with `--a4-results PATH`, one JSON line per cell (its notebook, cell number, check id, outcome and the
   error it raised) is written to PATH: `a4.course.notebooks` reads it back.
 """
@@ -27,6 +29,8 @@ from typing import Any
 
 import pytest
 from nbval.plugin import IPyNbCell
+
+from a4.course.checks import FAILURE_MIME
 
 CHECK_TAG = "check"
 CHECK_ID_PREFIX = "check:"
@@ -75,11 +79,15 @@ class Stopped(Exception):
     """The cell ran out of time, or was not started because the run's budget was spent."""
 
 
+class CheckCellFailed(Exception):
+    """A check cell ended without an error but recorded in its output that its check failed."""
+
+
 class BoundedCell(IPyNbCell):
     """A notebook cell run with a time limit; a check cell is named by its check id."""
 
     check_id: str | None = None
-    # (ename, evalue, traceback) reported instead of the kernel's error: a timeout, a cell not run.
+    # (ename, evalue, traceback) reported instead of the kernel's error: a timeout, a cell not run, a failed check.
     override: tuple[str, str, str] | None = None
 
     def reportinfo(self):
@@ -106,6 +114,9 @@ class BoundedCell(IPyNbCell):
                 _run_of(self.parent).completed.append(self)
             if failure is not None:
                 raise failure
+            if record := self.check_failure():
+                self.override = (record["ename"], record["evalue"], record["traceback"])
+                raise CheckCellFailed(f"FAILED {record['check_id']}: {record['ename']}: {record['evalue']}")
             return
         traceback = "\n".join("\n".join(error.get("traceback", [])) for error in self.errors())
         where = stopped_at(ANSI_ESCAPE.sub("", traceback))
@@ -152,6 +163,13 @@ class BoundedCell(IPyNbCell):
 
     def errors(self) -> list[dict[str, Any]]:
         return [out for out in self.test_outputs or [] if out.get("output_type") == "error"]
+
+    def check_failure(self) -> dict[str, str] | None:
+        """The record that `a4.course.checks.checking` left in the output of a check that failed; None if none."""
+        for out in self.test_outputs or []:
+            if out.get("output_type") == "display_data" and FAILURE_MIME in out.get("data", {}):
+                return out["data"][FAILURE_MIME]
+        return None
 
 
 @dataclass

@@ -2,13 +2,16 @@
 
 Static rules, read from the .ipynb files:
 - stored without outputs or execution counts; the first cell is a markdown cell starting with an H1 title;
-- a check cell has the tag `check` and exactly one `check:<id>` tag; ids are unique within a notebook;
-- every exercise (a BEGIN SOLUTION marker) points at a notebook that exists and has at least one check cell.
+- a check cell has the tag `check` and exactly one `check:<id>` tag; ids are unique within a notebook; it runs its
+  body in `with checking("<id>"):` (a4.course.checks), which shows the check's result without ending Run All;
+- every exercise (a BEGIN SOLUTION marker) points at a notebook that exists and has at least one check cell;
+- a notebook's check cells are, in order, those the table of checks (a4/course/checks/registry.py) gives it.
 
 Pass 1, A4_SOLUTIONS=1: every cell of every notebook passes.
 
 Pass 2, the student skeleton (A4_SOLUTIONS unset):
-- every check cell fails (a check that passes on the skeleton checks nothing), and fails because an exercise is not
+- every check cell fails (a check that passes on the skeleton checks nothing), as the record `checking` leaves in
+  its output says, and fails because an exercise is not
   written yet (NotImplementedError "Exercise ...") or because its comparison failed (AssertionError/CheckFailed),
   never for an unrelated reason such as a NameError;
 - every other cell passes, or fails only with NotImplementedError "Exercise ...".
@@ -28,6 +31,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from a4._overlay import REPO_ROOT
+from a4.course.checks.registry import CHECKS, checks_of
 from a4.course.exercises import MarkerError, all_exercises
 from a4.course.nbval_plugin import CHECK_ID_PREFIX, CHECK_TAG, check_ids_of
 from a4.course.notebooks import CellResult, check_cells, notebook_paths, read_notebook, run_notebooks, select
@@ -61,6 +65,8 @@ def lint_notebook(path: Path) -> list[str]:
             if check_id in seen:
                 problems.append(f"{where}: check id {check_id!r} is used twice")
             seen.add(check_id)
+            if not cell.source.startswith(runner := f'with checking("{check_id}"):\n'):
+                problems.append(f"{where}: a check cell runs its body in {runner.strip()} (its tag's id)")
     return problems
 
 
@@ -74,6 +80,15 @@ def lint(repo: Path, notebooks: list[Path]) -> list[str]:
         exercises = all_exercises(repo)
     except MarkerError as e:
         return problems + [str(e)]
+    for path in notebooks:
+        if (ids := list(check_cells(read_notebook(path)))) != (expected := checks_of(path.stem)):
+            problems.append(
+                f"{path.name}: its check cells {ids} are not those of the table of checks (a4/course/checks/"
+                f"registry.py), in its order: {expected}"
+            )
+    if selected == existing:
+        for stem in sorted({check.notebook for check in CHECKS} - existing):
+            problems.append(f"a4/course/checks/registry.py: checks of {stem}, which is not a notebook")
     for exercise in exercises:
         where = f"{exercise.solution_path}:{exercise.line}"
         if exercise.notebook not in existing:

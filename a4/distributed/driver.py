@@ -16,6 +16,11 @@ Failures: a module call is a collective, so it must run to its end on every rank
   COLLECTIVE_TIMEOUT if it hangs; any exception inside a call leaves the ranks at different points of it. Either
   way the driver kills the workers and raises a RuntimeError saying which rank died and how; every later call
   raises the same error. A new LLM starts a new group.
+
+One driver at a time: torch.distributed has one default group per process. A new TPDriver takes over from the one
+before it (a notebook cell run again, or an LLM dropped without `close()` that the garbage collector has not freed
+yet): that one is shut down, its workers and its group released, and its calls are refused from then on. A driver
+collected without `shutdown()` releases them too.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import itertools
 import signal
 import shutil
 import tempfile
+import threading
 import weakref
 from functools import partial
 from pathlib import Path
@@ -43,6 +49,10 @@ from a4.scheduler.scheduler import sigint_deferred
 
 # How long `shutdown` waits for a worker to leave after Stop before killing it.
 STOP_WAIT_SECONDS = 10.0
+TAKEN_OVER = "a newer tensor-parallel LLM took over this process's group"
+
+# The driver that holds this process's group, if any: the next one shuts it down first.
+_holder: weakref.ref[TPDriver] | None = None
 
 
 class TPDriver:
@@ -51,6 +61,9 @@ class TPDriver:
         self.model_config = load_model_config(config.model_dir)
         check_divisible(self.model_config, world_size)
         self.rank_config: ModelConfig = rank_model_config(self.model_config, world_size)
+        global _holder
+        if _holder is not None and (previous := _holder()) is not None:
+            previous.shutdown(TAKEN_OVER)
         self._store_dir = tempfile.mkdtemp(prefix="a4-tp-")
         store_path = str(Path(self._store_dir) / "rendezvous")
         spawn = mp.get_context("spawn")
@@ -65,8 +78,10 @@ class TPDriver:
         ]
         for worker in self.workers:
             worker.start()
-        # Killed at the latest when this driver is collected or the interpreter exits.
-        self._finalizer = weakref.finalize(self, _kill, self.workers, self._store_dir)
+        # Released at the latest when this driver is collected or the interpreter exits; the group is left only
+        # once joined (a failed join may have met another's).
+        self._joined = threading.Event()
+        self._finalizer = weakref.finalize(self, _release, self.workers, self._store_dir, self._joined)
         self._ops: list[PoolOp] = []
         self._down: str | None = None  # why the group is down, once it is
         self._checkpoint_keys = itertools.count()
@@ -75,6 +90,8 @@ class TPDriver:
         except BaseException:
             self._finalizer()
             raise
+        self._joined.set()
+        _holder = weakref.ref(self)
 
     @property
     def world_size(self) -> int:
@@ -124,8 +141,9 @@ class TPDriver:
 
         return self._collective(ask)
 
-    def shutdown(self) -> None:
-        """Stop the workers (killing those that do not leave) and leave the group; safe to call twice."""
+    def shutdown(self, reason: str = "the engine was closed") -> None:
+        """Stop the workers (killing those that do not leave) and leave the group; later calls are refused, saying
+        `reason`. Safe to call twice."""
         if self._down is None:
             try:
                 self._send(Stop())
@@ -133,9 +151,8 @@ class TPDriver:
                     worker.join(STOP_WAIT_SECONDS)
             except Exception:  # noqa: BLE001 - a worker already gone: nothing more to tell it
                 pass
-            self._down = "the engine was closed"
+            self._down = reason
         self._finalizer()
-        destroy_tp_group()
 
     def _send(self, command) -> None:
         ops, self._ops = self._ops, []
@@ -183,12 +200,15 @@ def _how(exitcode: int) -> str:
     return f"exited with code {exitcode}" + (" (its traceback is on stderr)" if exitcode else "")
 
 
-def _kill(workers: list, store_dir: str) -> None:
+def _release(workers: list, store_dir: str, joined: threading.Event) -> None:
+    """Kill the workers still alive and leave the group (once: a driver's weakref.finalize)."""
     for worker in workers:
         if worker.is_alive():
             worker.kill()
         worker.join()
     shutil.rmtree(store_dir, ignore_errors=True)
+    if joined.is_set():
+        destroy_tp_group()
 
 
 class MirroredModule(nn.Module):

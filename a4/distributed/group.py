@@ -9,7 +9,8 @@ Two groups over the same N ranks, as vLLM keeps a CPU group beside its device gr
   its sockets, and gloo reports that at once on the ranks still waiting.
 
 The ranks meet through a file (torch's FileStore): no port to choose, so nothing to collide with another engine.
-torch.distributed has one default group per process, so a process runs one tensor-parallel engine at a time.
+torch.distributed has one default group per process, so a process runs one tensor-parallel engine at a time (a new
+one takes over from the one before: driver.py).
 `run_ranks` runs a function on N spawned CPU ranks, for checks of the parallel layers.
 """
 
@@ -63,8 +64,8 @@ def init_tp_group(rank: int, world_size: int, store_path: str, device: torch.dev
     """Join the group (blocks until all world_size ranks have joined, or COLLECTIVE_TIMEOUT)."""
     if dist.is_initialized():
         raise RuntimeError(
-            "this process already has a torch.distributed process group (another tensor-parallel LLM?): "
-            "close it first (LLM.close()); a process runs one tensor-parallel engine at a time"
+            "this process already has a torch.distributed process group that a4 did not start: leave it first "
+            "(torch.distributed.destroy_process_group()); a process runs one tensor-parallel engine at a time"
         )
     device = rank_device(device, rank)
     if device.type == "cuda":

@@ -9,18 +9,20 @@ Its prefix-cache checkpoints are its shares of rank 0's, under the keys rank 0 g
 
 Ctrl-C is rank 0's to handle: a notebook's interrupt reaches the whole process group, and a worker that stopped in
 the middle of a step would leave rank 0 waiting in a collective. Any error ends the worker (its traceback on
-stderr); rank 0 then finds it dead and takes the engine down.
+stderr, but for an unwritten exercise, which rank 0 names); rank 0 then finds it dead and takes the engine down.
 """
 
 from __future__ import annotations
 
 import signal
+import sys
 from functools import partial
 
 import torch
 import torch.distributed as dist
 
 from a4.core import Req, SamplingParams
+from a4.course.exercises import unwritten_exercise
 from a4.distributed.group import TPGroup, destroy_tp_group, init_tp_group
 from a4.distributed.protocol import Call, PoolOp, RankReport, Report, Setup, Stop, to_device
 from a4.distributed.sharding import rank_model_config, shard_model
@@ -38,6 +40,11 @@ def worker_main(rank: int, world_size: int, store_path: str, config: EngineConfi
     try:
         with torch.inference_mode():
             RankWorker(group, config).serve()
+    except Exception as e:
+        if unwritten_exercise(e) is None:
+            raise
+        # Rank 0 runs the same code and names the exercise: this rank's traceback would only bury that line.
+        sys.exit(1)
     finally:
         destroy_tp_group()
 

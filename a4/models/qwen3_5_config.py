@@ -69,13 +69,15 @@ def qwen3_5_text_fields(raw: dict[str, Any]) -> dict[str, Any]:
     num_hidden_layers, num_attention_heads, num_key_value_heads, head_dim, rms_norm_eps, max_position_embeddings and
     the Gated DeltaNet shapes linear_num_key_heads, linear_num_value_heads, linear_key_head_dim,
     linear_value_head_dim, linear_conv_kernel_dim: all required (a missing one is a ConfigError naming it: `require`).
-    Then rope_theta (`rope_theta_of`), rotary_dim (`qwen3_5_rotary_dim`), layer_types (`qwen3_5_layer_types`) and
-    eos_token_ids (text_config's `eos_token_id` through `eos_ids`; absent is ()).
+    Then rope_theta (`rope_theta_of`), rotary_dim and layer_types (the two functions above, already called: their
+    exercises come first) and eos_token_ids (text_config's `eos_token_id` through `eos_ids`; absent is ()).
 
     One field comes from the top level: `tie_word_embeddings` (absent means False). lm_head belongs to
     Qwen3_5ForConditionalGeneration, and transformers decides the tying from that class's config, the top level;
     a text_config.tie_word_embeddings is not what it reads.
     """
+    text = text_config_of(raw)
+    layer_types, rotary_dim = qwen3_5_layer_types(text), qwen3_5_rotary_dim(text)
     raise NotImplementedError("Exercise config-text-fields: the fields shared by dense and MoE (notebooks/01_config.ipynb)")
 
 

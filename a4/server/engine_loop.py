@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from tokenizers import Tokenizer
 
 from a4.core import FinishReason, Req, SamplingParams
+from a4.course.exercises import not_written_yet, unwritten_exercise
 from a4.engine.engine import Engine
 from a4.server.detokenizer import IncrementalDetokenizer
 from a4.server.metrics import ServerMetrics
@@ -146,10 +147,13 @@ class EngineLoop:
             if self._running and not self._stopping.is_set():
                 try:
                     self.engine.step()
-                except Exception:
+                except Exception as e:
                     # The engine has aborted the step's requests (their streams get the error below) and is clean
-                    # for the others.
-                    logger.exception("an engine step raised")
+                    # for the others. An unwritten exercise (a student's handout) needs its name, not a traceback.
+                    if missing := unwritten_exercise(e):
+                        logger.error("an engine step raised: %s", not_written_yet(missing))
+                    else:
+                        logger.exception("an engine step raised")
                 self._publish()
             self._update_metrics()
         self._take_inbox(wait=False)

@@ -12,10 +12,14 @@ Ground truths:
   heads `naive_split` gives;
 - the engine: `LLM(..., tensor_parallel_size=2)` against transformers' greedy `generate` (a4.reference.hf_greedy),
   token by token, and a next turn that restores a prefix-cache checkpoint on every rank.
+The layer and engine checks run the split check first (`split_first`): a wrong split is reported as such, not by
+the errors and tokens it leads to.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -217,10 +221,21 @@ def gdn_layers_agree(group: TPGroup, checkpoint: str) -> list[str]:
     return problems
 
 
+def split_first(gdn_rank_share: Callable) -> None:
+    """The split check, quietly, before a check that runs the split on ranks: an unwritten or wrong split is named
+    here, before any rank starts, rather than shown by its symptoms (a layer's error, a differing token)."""
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):  # its "PASSED" line is not this check's
+            check_gdn_split(gdn_rank_share)
+    except CheckFailed as e:
+        raise CheckFailed(
+            f"the split is wrong, as the check tp-gdn-split says: fix it first ({str(e).splitlines()[0]})\n{e}"
+        ) from None
+
+
 def check_gdn_layer_split(gdn_rank_share: Callable, checkpoint: str | Path) -> None:
     """`gdn_layers_agree` on LAYER_RANKS gloo ranks, every rank's problems together."""
-    # The split alone first, in this process: an unwritten one is named before any rank starts.
-    gdn_rank_share(split_config(UNEVEN), 0, LAYER_RANKS)
+    split_first(gdn_rank_share)
     problems = [p for rank_problems in on_ranks(gdn_layers_agree, LAYER_RANKS, str(checkpoint)) for p in rank_problems]
     conclude(
         problems,
@@ -236,9 +251,11 @@ def check_gdn_layer_split(gdn_rank_share: Callable, checkpoint: str | Path) -> N
 def check_tensor_parallel_engine(checkpoint: str | Path, world_size: int = 2) -> None:
     """The shared prompts (1 to 300 tokens) through 3 slots with chunked prefill on `world_size` ranks, then the next
     turn of the longest, which restores its checkpoint on every rank: every token equal to transformers'."""
+    from a4.distributed.gdn_split import gdn_rank_share
     from a4.llm import LLM
     from a4.reference import hf_greedy
 
+    split_first(gdn_rank_share)
     prompts = shared_prompts(checkpoint)
     params = SamplingParams(max_new_tokens=MAX_NEW_TOKENS)
     with LLM(checkpoint, tensor_parallel_size=world_size, **ENGINE_OPTIONS) as llm:
