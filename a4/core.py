@@ -240,9 +240,11 @@ class ForwardBatch:
 
 
 def to_device(values: list[int] | torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Host integers (a list, or a CPU tensor) as int64 on `device`, without waiting for the device: on a GPU through
+    """Integers (a list, or a tensor) as int64 on `device`, without waiting for the device: on a GPU through
     pinned memory and a non-blocking copy. torch's copy from ordinary host memory waits for every kernel already
     queued on the stream, which would stop overlap scheduling (engine.py) from running ahead of the device."""
+    if isinstance(values, torch.Tensor) and values.device.type != "cpu":
+        return values.to(device, torch.int64)  # on a device already (decode ids gathered there)
     host = torch.as_tensor(values, dtype=torch.int64)
     if torch.device(device).type != "cuda":
         return host.to(device)

@@ -327,13 +327,15 @@ def test_gpu_report_floors_ratios_and_schema(tmp_path, capsys):
     assert (tmp_path / "gpu.png").stat().st_size > 0
 
 
-def test_step_profiles_profile_the_steps_they_name():
+@pytest.mark.parametrize("overlap_schedule", [False, True])
+def test_step_profiles_profile_the_steps_they_name(overlap_schedule):
     """bench gpu's launch profiles drive the engine to the step each names (a prefill of one prompt, a decode step of
-    the whole batch after chunked prefills) and profile that one step; the requests then finish, and the engine is
-    left idle for the next profile."""
+    the whole batch after chunked prefills) and profile that one step (under overlap scheduling, the call that
+    launches it); the requests then finish, and the engine is left idle for the next profile."""
     model_dir = make_checkpoint(None, "qwen3_5", preset="tiny")
     # max_prefill_tokens 24: the batch of 3 x 16 prompt tokens prefills over more than one step.
-    runner = engine.A4Runner(model_dir, "float32", max_prefill_tokens=24, max_running_requests=3)
+    runner = engine.A4Runner(model_dir, "float32", max_prefill_tokens=24, max_running_requests=3,
+                             overlap_schedule=overlap_schedule)  # fmt: skip
     prompts = [[5 + i, 6, 7, 8] * 4 for i in range(4)]
     times = {"prefill_ms": {"16": 1.5}, "decode_ms": {"1": 0.5, "3": 0.7}}
     profiles = gpu.step_profiles(runner.llm.engine, prompts[:1], prompts[1:], (1, 3), times)

@@ -220,6 +220,7 @@ class Engine:
                 if batch is not None:
                     launched = self.worker.launch(batch)
                     self.scheduler.cache_prefill(batch)
+                    self._count_launched(batch)
                 keep = launched if self.config.overlap else None
                 booked = [step for step in (in_flight, launched) if step is not None and step is not keep]
                 finished = [req for step in booked for req in self._book(step)]
@@ -252,7 +253,7 @@ class Engine:
         for req in finished:
             self.sampler.remove_req(req)
             self.stats.cached_tokens += req.prefix_hit_len
-        self._count(step, next_tokens)
+        self._count_booked(step, next_tokens)
         return finished
 
     def abort_req(self, req: Req, error: str | None = None) -> None:
@@ -284,20 +285,25 @@ class Engine:
             else:
                 stats.prefill_seconds += seconds
 
-    def _count(self, step: LaunchedStep, next_tokens: list) -> None:
-        """Count a booked step: a decode step's requests may gain more than one token each (drafts); a mixed step
-        counts as a prefill step, its decoding requests' tokens apart."""
-        stats, batch = self.stats, step.batch
+    def _count_launched(self, batch: Batch) -> None:
+        """Count a step as it is launched (what ran): a mixed step counts as a prefill step, and apart."""
+        stats = self.stats
         if batch.phase == "decode":
             stats.decode_steps += 1
             stats.decode_request_steps += len(batch.reqs)
-            stats.decode_tokens += sum(len(t) if isinstance(t, list) else 1 for t in next_tokens)
         else:
-            prompts = [n for n, decode in zip(batch.extend_lens, batch.decode_rows) if not decode]
             stats.prefill_steps += 1
-            stats.prefill_tokens += sum(prompts)
+            stats.prefill_tokens += sum(n for n, decode in zip(batch.extend_lens, batch.decode_rows) if not decode)
             stats.mixed_steps += batch.phase == "mixed"
-            stats.mixed_decode_tokens += len(batch.reqs) - len(prompts)
+
+    def _count_booked(self, step: LaunchedStep, next_tokens: list) -> None:
+        """Count the tokens a booked step's decoding requests gained: more than one each with drafts."""
+        stats, batch = self.stats, step.batch
+        gained = sum(len(t) if isinstance(t, list) else 1 for t, d in zip(next_tokens, batch.decode_rows) if d)
+        if batch.phase == "decode":
+            stats.decode_tokens += gained
+        else:
+            stats.mixed_decode_tokens += gained
         stats.draft_tokens += step.draft_tokens
         stats.accepted_draft_tokens += step.accepted_draft_tokens
 

@@ -7,7 +7,9 @@ from dataclasses import dataclass
 
 @dataclass
 class EngineStats:
-    """Counters since the engine was built; tokens are prompt tokens (prefill) or generated tokens (decode)."""
+    """Counters since the engine was built; tokens are prompt tokens (prefill) or generated tokens (decode). Steps and
+    prompt tokens are counted when a step is launched, generated tokens when it is booked (under overlap scheduling,
+    in the engine's next call)."""
 
     prefill_steps: int = 0
     decode_steps: int = 0
