@@ -223,7 +223,7 @@ def test_an_unwritten_exercise_is_a_500_naming_it_and_one_log_line(server, monke
     def unwritten(*args, **kwargs):
         raise NotImplementedError(STUB)
 
-    monkeypatch.setattr(engine_loop.engine.worker, "run_batch", unwritten)
+    monkeypatch.setattr(engine_loop.engine.worker, "launch", unwritten)
     with pytest.raises(openai.InternalServerError) as raised:
         client(base_url).completions.create(model=MODEL, prompt="Hi", max_tokens=4)
     assert f"NotImplementedError: {STUB}" in raised.value.message
