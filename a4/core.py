@@ -128,12 +128,13 @@ class Req:
 @dataclass
 class Batch:
     """The requests of one scheduler step, and what kind of step it is (the scheduler decides, in one place):
-    "prefill" (prompts and chunks of prompts), "decode" (every running request's next token, or its last token and
-    drafts), or "mixed" (`EngineConfig.enable_mixed_chunk`: prefill chunks, then every running request's next
-    token, in one forward, as SGLang's mixed chunk and vLLM V1's chunked prefill)."""
+    "prefill" (prompts and chunks of prompts), "decode" (every running request's next token), "verify" (a
+    speculative engine's decode step: every running request's last token and its drafts), or "mixed"
+    (`EngineConfig.enable_mixed_chunk`: prefill chunks, then every running request's next token, in one forward, as
+    SGLang's mixed chunk and vLLM V1's chunked prefill)."""
 
     reqs: list[Req]
-    phase: Literal["prefill", "decode", "mixed"]
+    phase: Literal["prefill", "decode", "verify", "mixed"]
     # Tokens each request feeds this step; smaller than Req.extend_len for a chunk of a chunked prefill.
     extend_lens: list[int]
     # Whether each request samples a token at the end of this step (False for a chunk that is not the last).

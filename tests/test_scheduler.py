@@ -45,12 +45,14 @@ def expected_output(prompt: list[int], params: SamplingParams) -> list[int]:
 
 
 class FakeModelRun:
-    def __init__(self, *, num_pages: int, page_size: int, slots: int, budget: int, prefix_cache: bool = True):
+    def __init__(self, *, num_pages: int, page_size: int, slots: int, budget: int, prefix_cache: bool = True,
+                 mixed: bool = False):  # fmt: skip
         self.allocator = PageAllocator(num_pages, page_size)
         self.table = TableManager(slots, max_context_len=num_pages * page_size, device="cpu")
         cache = RadixCache(page_size) if prefix_cache else NoPrefixCache(page_size)
         self.cache_manager = CacheManager(self.allocator, cache, self.table)
-        self.scheduler = Scheduler(self.table, self.cache_manager, max_prefill_tokens=budget, eos_token_ids=[EOS])
+        self.scheduler = Scheduler(self.table, self.cache_manager, max_prefill_tokens=budget, eos_token_ids=[EOS],
+                                   enable_mixed_chunk=mixed)  # fmt: skip
         self.pool: dict[int, tuple[int, ...]] = {}
         self.batches: list[Batch] = []
         self.uid = 0
@@ -167,6 +169,28 @@ def test_prefill_chunks_follow_the_token_budget(prompt_lens, budget):
             fed[i] += n
         assert batch.sample == [fed[i] == prompt_lens[i] for i, _ in step]
     assert [r.output_ids for r in reqs] == [expected_output(r.input_ids, params) for r in reqs]
+
+
+def test_mixed_steps_carry_every_running_request_under_one_budget():
+    """enable_mixed_chunk: a step with prompt tokens also feeds every running request its next token, all under the
+    one token budget; outputs are the fake model's own, and nothing leaks."""
+    run = FakeModelRun(num_pages=512, page_size=1, slots=4, budget=16, mixed=True)
+    rng = random.Random(1)
+    params = SamplingParams(max_new_tokens=6)
+    reqs = [run.add(random_tokens(rng, rng.randrange(1, 40)), params) for _ in range(10)]
+    running = []
+    while not all(r.finished for r in reqs):
+        running = [r for r in reqs if r.output_ids and not r.finished]
+        run.step()
+        batch = run.batches[-1]
+        if batch.phase == "mixed":
+            prompts = [r for r, decode in zip(batch.reqs, batch.decode_rows) if not decode]
+            assert batch.reqs == prompts + running, "a mixed step runs its prompts, then every running request"
+            assert batch.extend_lens[len(prompts) :] == [1] * len(running) and all(batch.sample[len(prompts) :])
+        assert sum(batch.extend_lens) <= 16 or batch.phase == "decode"
+    assert any(batch.phase == "mixed" for batch in run.batches)
+    assert [r.output_ids for r in reqs] == [expected_output(r.input_ids, r.sampling_params) for r in reqs]
+    run.assert_no_leak()
 
 
 def test_steps_are_never_mixed_and_decode_runs_every_running_request():

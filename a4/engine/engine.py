@@ -280,7 +280,7 @@ class Engine:
         """Count a step call's wall time, as the kind of step it launched (or booked, launching none)."""
         if batch is not None:
             stats = self.stats
-            if batch.phase == "decode":
+            if batch.phase in ("decode", "verify"):
                 stats.decode_seconds += seconds
             else:
                 stats.prefill_seconds += seconds
@@ -288,7 +288,7 @@ class Engine:
     def _count_launched(self, batch: Batch) -> None:
         """Count a step as it is launched (what ran): a mixed step counts as a prefill step, and apart."""
         stats = self.stats
-        if batch.phase == "decode":
+        if batch.phase in ("decode", "verify"):
             stats.decode_steps += 1
             stats.decode_request_steps += len(batch.reqs)
         else:
@@ -300,7 +300,7 @@ class Engine:
         """Count the tokens a booked step's decoding requests gained: more than one each with drafts."""
         stats, batch = self.stats, step.batch
         gained = sum(len(t) if isinstance(t, list) else 1 for t, d in zip(next_tokens, batch.decode_rows) if d)
-        if batch.phase == "decode":
+        if batch.phase in ("decode", "verify"):
             stats.decode_tokens += gained
         else:
             stats.mixed_decode_tokens += gained

@@ -43,11 +43,13 @@ class ModelOutput(NamedTuple):
     logits: torch.Tensor  # [S, vocab] float32
 
 
+# The forward mode of each kind of step the scheduler makes: a mixed step runs its decodes as one-token extends.
+FORWARD_MODES = {"prefill": ForwardMode.EXTEND, "mixed": ForwardMode.EXTEND, "decode": ForwardMode.DECODE,
+                 "verify": ForwardMode.TARGET_VERIFY}  # fmt: skip
+
+
 def forward_mode(batch: Batch) -> ForwardMode:
-    """The step's mode, from the scheduler's batch alone: a mixed step runs its decodes as one-token extends."""
-    if batch.phase != "decode":
-        return ForwardMode.EXTEND
-    return ForwardMode.DECODE if batch.extend_lens[0] == 1 else ForwardMode.TARGET_VERIFY
+    return FORWARD_MODES[batch.phase]
 
 
 class ModelRunner:

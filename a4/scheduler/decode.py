@@ -35,7 +35,8 @@ class DecodeManager:
         if not reqs:
             return None
         num_reqs = len(reqs)
-        return Batch(reqs, phase="decode", extend_lens=[self.tokens_per_step] * num_reqs, sample=[True] * num_reqs)
+        phase = "decode" if self.tokens_per_step == 1 else "verify"
+        return Batch(reqs, phase=phase, extend_lens=[self.tokens_per_step] * num_reqs, sample=[True] * num_reqs)
 
     @property
     def runnable(self) -> bool:

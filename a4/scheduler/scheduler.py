@@ -119,9 +119,8 @@ class Scheduler:
     def _launch(self, batch: Batch) -> None:
         """Advance the batch's requests as if its forward had run: the next batch may be scheduled before this one
         is booked. A verify step's positions are committed at booking, by the tokens kept."""
-        verify = batch.phase == "decode" and self.decode_manager.tokens_per_step > 1
         for req, extend_len, sampled in zip(batch.reqs, batch.extend_lens, batch.sample):
-            if not verify:
+            if batch.phase != "verify":
                 req.computed_len += extend_len
             req.tokens_in_flight += sampled
         self.prefill_manager.launched(batch)
@@ -159,7 +158,6 @@ class Scheduler:
             return self._book(batch, next_tokens, errors or [None] * len(batch.reqs))
 
     def _book(self, batch: Batch, next_tokens: Sequence, errors: Sequence[str | None]) -> list[Req]:
-        verify = batch.phase == "decode" and self.decode_manager.tokens_per_step > 1
         finished = []
         for req, sampled, tokens, error in zip(batch.reqs, batch.sample, next_tokens, errors):
             if not sampled:
@@ -172,7 +170,7 @@ class Scheduler:
                 finished.append(req)
                 continue
             tokens = self.keep_tokens(req, [tokens] if isinstance(tokens, int) else tokens)
-            if verify:
+            if batch.phase == "verify":
                 req.computed_len += len(tokens)
             for token in tokens:
                 req.output_ids.append(token)
