@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from a4.core import Req
-from a4.models.config import ModelConfig
+from a4.model_config import ModelConfig
 
 # The recurrent state is a long running sum of decayed updates: the checkpoints ask for float32
 # (mamba_ssm_dtype), whatever the model dtype, and transformers keeps it in float32 too.
