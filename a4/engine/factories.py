@@ -76,8 +76,7 @@ def create_memory_plan(
 def create_state_pool(
     model_config: ModelConfig, num_slots: int, dtype: torch.dtype, device: torch.device
 ) -> StatePool | None:
-    """A hybrid model's state pool, given notebook 11's verify functions for the commit of a speculative step (the
-    pool sits below the speculative package, which the engine is above)."""
+    """A hybrid model's state pool, given notebook 11's verify functions for the commit of a speculative step."""
     pool_class = state_pool_class(model_config)
     if pool_class is None:
         return None
@@ -150,7 +149,5 @@ def create_backends(
     if on_gpu:
         backend = HybridAttnBackend(attention, TritonGDNBackend(dtype))
         return backend, backend
-    # The CPU backends run notebook 11's verify functions in a speculative step: handed in, as the layers sit below
-    # the speculative package.
     eager, static = TorchGDNBackend(verify=verify), BySlotGDNBackend(verify=verify)
     return HybridAttnBackend(attention, eager), HybridAttnBackend(attention, static)
