@@ -310,7 +310,7 @@ def reach(exercise: Exercise, run: Callable[[str], Run]) -> str | None:
 def test_the_raise_reaches_every_reference_to_the_function():
     """The technique itself: a region made to raise does so through another module's `from x import f` copy (the
     engine's greedy_accept), as a static method, and called directly; and the code is restored after."""
-    import a4.speculative.worker as worker_module
+    import a4.engine.speculative_worker as worker_module
     from a4.kvcache.state_pool import StatePool
     from a4.speculative.verify import causal_conv1d_verify
 

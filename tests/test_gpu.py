@@ -194,7 +194,7 @@ class OneRankTensorParallelEngine:
     over NCCL. `LLM(tensor_parallel_size=1)` takes the plain path; this is the NCCL path on a one-GPU machine."""
 
     def __init__(self, ckpt: str, **options):
-        from a4.distributed.driver import TPDriver
+        from a4.engine.tp_driver import TPDriver
         from a4.engine.engine import Engine, EngineConfig
 
         engine = Engine.__new__(Engine)

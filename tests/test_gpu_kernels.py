@@ -81,10 +81,9 @@ from a4.kernels.gdn_decode import (  # noqa: E402
     gated_delta_rule_verify_by_slot_,
 )
 from a4.kernels.paged_attention import paged_decode_attention  # noqa: E402
-from a4.kernels.activation import silu_and_mul, use_fused_activation  # noqa: E402
-from a4.kernels.gemv import MAX_ROWS, TILE, gemv, linear, use_gemv  # noqa: E402
-from a4.kernels.moe import use_fused_experts  # noqa: E402
-from a4.kernels.rmsnorm import use_fused_norms  # noqa: E402
+from a4.kernels.activation import silu_and_mul  # noqa: E402
+from a4.kernels.gemv import MAX_ROWS, TILE, gemv, linear  # noqa: E402
+from a4.layers.fused import use_fused_activation, use_fused_experts, use_fused_norms, use_gemv  # noqa: E402
 
 DTYPES = [torch.float32, torch.bfloat16]
 NUM_SLOTS = 7

@@ -23,7 +23,7 @@ from collections import Counter
 import pytest
 import torch
 
-import a4.speculative.worker as speculative_worker
+import a4.engine.speculative_worker as speculative_worker
 from a4 import LLM, SamplingParams
 from a4.reference import cached_hf_model, hf_greedy
 from a4.speculative.drafter import OracleDrafter

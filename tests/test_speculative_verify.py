@@ -374,13 +374,13 @@ def test_engine_check_explains_the_engine_failing_on_a_wrong_greedy_accept(tiny_
     """An acceptance one too large makes the engine index past the model's tokens: the check says which of the
     student's functions fails its own check, instead of the engine's bare IndexError."""
     import a4.speculative.verify
-    import a4.speculative.worker
+    import a4.engine.speculative_worker
 
     def one_too_many(draft_ids, target_ids):
         return greedy_accept(draft_ids, target_ids) + 1
 
     # The speculative worker's name and the module's: the student's file defines the one the worker imports.
-    monkeypatch.setattr(a4.speculative.worker, "greedy_accept", one_too_many)
+    monkeypatch.setattr(a4.engine.speculative_worker, "greedy_accept", one_too_many)
     monkeypatch.setattr(a4.speculative.verify, "greedy_accept", one_too_many)
     with pytest.raises(CheckFailed) as failure:
         checks.check_speculative_greedy(tiny_qwen3_5, k=1)
@@ -404,7 +404,7 @@ def test_engine_check_leaves_an_engine_error_of_its_own_as_it_is(tiny_qwen3_5, m
 
 def test_engine_check_rejects_an_acceptance_that_accepts_nothing(tiny_qwen3_5, monkeypatch):
     """Accepting no draft keeps the tokens right (one per step): only the count of accepted drafts shows it."""
-    import a4.speculative.worker as worker  # the speculative worker's name for notebook 11's function
+    import a4.engine.speculative_worker as worker  # the speculative worker's name for notebook 11's function
 
     monkeypatch.setattr(worker, "greedy_accept", lambda draft_ids, target_ids: draft_ids.new_zeros(len(draft_ids)))
     with pytest.raises(CheckFailed, match=r"the engine accepted 0 of \d+ drafted tokens; their right prefixes hold"):

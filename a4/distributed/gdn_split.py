@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from a4.models.config import ModelConfig
+from a4.model_config import ModelConfig
 
 
 @dataclass(frozen=True)

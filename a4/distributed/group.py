@@ -4,9 +4,9 @@ Two groups over the same N ranks, as vLLM keeps a CPU group beside its device gr
 - the compute group (gloo on the CPU, NCCL on GPUs) carries the layers' all-reduces and all-gathers. Its timeout is
   short (`COLLECTIVE_TIMEOUT`): every rank runs the same step at once, so a collective that waits longer means a
   rank has died or hangs, and the engine says so instead of hanging with it;
-- the command group (always gloo) carries rank 0's messages to the workers (driver.py). A worker waits there for the
-  next step however long the engine stays idle, so its timeout is long (`IDLE_TIMEOUT`). A rank that dies closes
-  its sockets, and gloo reports that at once on the ranks still waiting.
+- the command group (always gloo) carries rank 0's messages to the workers (a4/engine/tp_driver.py). A worker waits
+  there for the next step however long the engine stays idle, so its timeout is long (`IDLE_TIMEOUT`). A rank that
+  dies closes its sockets, and gloo reports that at once on the ranks still waiting.
 
 The ranks meet through a file (torch's FileStore): no port to choose, so nothing to collide with another engine.
 torch.distributed has one default group per process, so a process runs one tensor-parallel engine at a time (a new

@@ -3,7 +3,7 @@ that crosses processes.
 
 Rank 0 runs the scheduler, the prefix cache and the sampler; the workers only run the model on their shard. So
 everything a worker needs is what rank 0 does to the model and to the state pool, and rank 0 sends it as it
-happens, in order (driver.py), one broadcast per module call:
+happens, in order (a4/engine/tp_driver.py), one broadcast per module call:
 
     (pool ops since the last call, command)
 

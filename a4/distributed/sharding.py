@@ -42,7 +42,7 @@ from a4.distributed.layers import (
     column_parallel,
     input_columns,
 )
-from a4.models.config import ModelConfig
+from a4.model_config import ModelConfig
 
 
 def check_divisible(config: ModelConfig, world_size: int) -> None:

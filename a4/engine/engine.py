@@ -2,7 +2,7 @@
 
 `Engine(config)` loads the checkpoint and builds the model runner (model_runner.py: the model, the memory plan, the
 request slots, the KV pool and the state pool, the backends), the scheduler and the worker that turns a batch into
-tokens (worker.py, or a4/speculative/worker.py with `speculative_tokens=k`). One step, one way:
+tokens (worker.py, or speculative_worker.py with `speculative_tokens=k`). One step, one way:
 
     Scheduler.schedule_next_batch --> Batch --> worker.launch --> ModelRunner.forward --> ForwardBatch --> model
         --> layers --> backends --> KV pool / state pool;  logits --> Sampler (on the device) --> LaunchedStep
@@ -32,12 +32,13 @@ from dataclasses import replace
 import torch
 
 from a4.core import Batch, Req, SamplingParams
-from a4.distributed.driver import TPDriver
+from a4.engine.tp_driver import TPDriver
 from a4.engine.config import EngineConfig
 from a4.engine.factories import create_prefix_cache
 from a4.engine.memory_plan import MemoryLedger, MemoryPlan
 from a4.engine.model_runner import ModelRunner
 from a4.engine.sampling import Sampler
+from a4.engine.speculative_worker import SpeculativeWorker
 from a4.engine.stats import EngineStats
 from a4.engine.validation import check_sampling_params, prompt_error
 from a4.engine.worker import LaunchedStep, ModelWorker
@@ -46,7 +47,6 @@ from a4.models.registry import load_model
 from a4.scheduler.cache import CacheManager
 from a4.scheduler.scheduler import Scheduler
 from a4.speculative.drafter import Drafter, MTPDrafter, load_mtp_module
-from a4.speculative.worker import SpeculativeWorker
 
 __all__ = ["Engine", "EngineConfig", "EngineStats", "check_sampling_params"]
 

@@ -76,8 +76,13 @@ def create_memory_plan(
 def create_state_pool(
     model_config: ModelConfig, num_slots: int, dtype: torch.dtype, device: torch.device
 ) -> StatePool | None:
+    """A hybrid model's state pool, given notebook 11's verify functions for the commit of a speculative step."""
     pool_class = state_pool_class(model_config)
-    return None if pool_class is None else pool_class(model_config, num_slots, dtype, device)
+    if pool_class is None:
+        return None
+    import a4.speculative.verify as verify
+
+    return pool_class(model_config, num_slots, dtype, device, verify=verify)
 
 
 def create_kv_pool(
@@ -138,9 +143,11 @@ def create_backends(
     if state_pool_class(model_config) is None:
         return attention, attention
     # Imported only for hybrid models: the GDN backends are made of exercises (notebooks 04, 10, 11).
+    import a4.speculative.verify as verify
     from a4.layers.gdn_backend import BySlotGDNBackend, HybridAttnBackend, TorchGDNBackend, TritonGDNBackend
 
     if on_gpu:
         backend = HybridAttnBackend(attention, TritonGDNBackend(dtype))
         return backend, backend
-    return HybridAttnBackend(attention, TorchGDNBackend()), HybridAttnBackend(attention, BySlotGDNBackend())
+    eager, static = TorchGDNBackend(verify=verify), BySlotGDNBackend(verify=verify)
+    return HybridAttnBackend(attention, eager), HybridAttnBackend(attention, static)

@@ -35,7 +35,7 @@ from a4.scheduler.cache import pages_for
 from a4.scheduler.table import TableManager
 
 if TYPE_CHECKING:
-    from a4.distributed.driver import TPDriver
+    from a4.engine.tp_driver import TPDriver
 
 
 class ModelOutput(NamedTuple):
@@ -63,7 +63,7 @@ class ModelRunner:
     ):
         """`draft_kv_layers`: attention layers of a draft model (Qwen3.5's MTP module) whose KV lives in the same
         pool, after the main model's layers (the memory plan counts them). `tp`: rank 0 of a tensor-parallel engine
-        (a4/distributed/driver.py): `model_config` is then one rank's share, and so are the plan and the pools;
+        (a4/engine/tp_driver.py): `model_config` is then one rank's share, and so are the plan and the pools;
         the model's calls and the state pool's operations are mirrored to the other ranks."""
         if tp is not None:
             model = tp.mirror(model, "model")

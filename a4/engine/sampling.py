@@ -16,7 +16,7 @@ Sampling never waits for the device: `sample` returns the tokens as a device ten
 there) and starts one non-blocking copy of them, with each row's finiteness, to the host; `SampledTokens.result()`
 waits for that copy alone. So the engine can launch the next step before it books this one (overlap scheduling).
 
-A speculative engine (a4/speculative/worker.py) verifies a sampled request's drafts against the very distribution this
+A speculative engine (speculative_worker.py) verifies a sampled request's drafts against the very distribution this
 sampler draws from (`sampling_distribution`), with random numbers from the request's own generator (`generator`).
 """
 

@@ -5,7 +5,7 @@ without waiting for them.
 the device too, in the runner's table of each slot's last token, where the next decode step reads its input ids, and
 come back to the host with one non-blocking copy that `LaunchedStep.result()` waits for. The engine books a step's
 result when it chooses: at once, or after it has launched the next step (overlap scheduling, engine.py). A
-speculative engine's worker drafts, verifies and commits (a4/speculative/worker.py); its steps come back done. The
+speculative engine's worker drafts, verifies and commits (speculative_worker.py); its steps come back done. The
 engine does not know which worker it has (`create_worker` in factories.py chooses).
 """
 

@@ -4,8 +4,8 @@ Why a kernel of our own: in torch it is two launches (F.silu, then the product),
 gated MLP of a decode step (Qwen3.5-0.8B: 24 of them; the 35B-A3B's shared experts: 40). With merged projections
 (a4/layers/merged_linear.py) gate and up are two column ranges of one product, read here through their strides.
 
-The arithmetic is torch's: silu in float32, rounded to the model dtype (F.silu's output), then the product in
-float32, rounded again. `use_fused_activation(model)` gives every GatedMLP of a model this kernel as its
+The arithmetic is torch's: silu in float32, rounded to the model dtype (F.silu's output), then the product in float32,
+rounded again. `use_fused_activation(model)` (a4/layers/fused.py) gives every GatedMLP of a model this kernel as its
 `act_and_mul` (the engine does it where a4's Triton kernels run, `a4.models.registry.fuse_for_device`).
 """
 
@@ -14,7 +14,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from torch import nn
 
 # Columns per program: at batch 1 the 0.8B MLP's 3,584 columns are 7 programs.
 BLOCK = 512
@@ -47,15 +46,3 @@ def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
             gate_rows, up_rows, y, width, gate_rows.stride(0), up_rows.stride(0), y.stride(0), BLOCK=BLOCK
         )
     return y.view(gate.shape)
-
-
-def use_fused_activation(model: nn.Module) -> int:
-    """Give every GatedMLP of `model` the kernel as its `act_and_mul`; returns how many."""
-    from a4.layers.mlp import GatedMLP
-
-    fused = 0
-    for module in model.modules():
-        if isinstance(module, GatedMLP):
-            module.act_and_mul = silu_and_mul
-            fused += 1
-    return fused

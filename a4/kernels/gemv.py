@@ -29,20 +29,19 @@ same K blocks in the same order, however many rows the call has, and a one-row c
 kernel. (A first version held the rows as one [MAX_ROWS, BLOCK_N] block of registers, reduced together: its one-row
 step on the H200 was 0.57 ms slower than cuBLAS for the wide projections.)
 
-The arithmetic is a dot product per output in float32, cast to x's dtype at the end, as cuBLAS computes a bfloat16
-GEMM (the sum is taken in another order). `use_gemv(model)` routes a model's bias-free linear layers (and merged
-projections) through `linear`, which takes this kernel for at most MAX_ROWS rows on CUDA and F.linear otherwise.
+The arithmetic is a dot product per output in float32, cast to x's dtype at the end, as cuBLAS computes a bfloat16 GEMM
+(the sum is taken in another order). `use_gemv(model)` (a4/layers/fused.py) routes a model's bias-free linear layers
+(and merged projections) through `linear`, which takes this kernel for at most MAX_ROWS rows on CUDA and F.linear
+otherwise.
 """
 
 from __future__ import annotations
 
-from types import MethodType
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from torch import nn
 
 # Rows a call may have to take the kernel: decode at batch 1 to 4, a batch-1 verify step of up to 3 drafts. With
 # more rows cuBLAS's GEMM tiles do better.
@@ -126,22 +125,3 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if x.is_cuda and few_rows and weight.stride(1) == 1:
         return gemv(x, weight)
     return F.linear(x, weight)
-
-
-def _linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    return linear(x, self.weight)
-
-
-def use_gemv(model: nn.Module) -> int:
-    """Route `model`'s bias-free nn.Linear layers and merged projections through `linear`; returns how many."""
-    from a4.layers.merged_linear import MergedLinear
-
-    routed = 0
-    for module in model.modules():
-        if type(module) is nn.Linear and module.bias is None:
-            module.forward = MethodType(_linear_forward, module)
-            routed += 1
-        elif isinstance(module, MergedLinear):
-            module.matmul = linear
-            routed += 1
-    return routed

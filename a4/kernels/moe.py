@@ -28,20 +28,19 @@ bfloat16 results agree to bfloat16 rounding and float32 ones to float32 rounding
 The router is one launch too (`fused_route`, `_route_kernel`): the students' `route` is a softmax, a top-k, a sum and a
 division with their casts, ~7 launches per layer for a few hundred bytes of work.
 
-`use_fused_experts(model)` routes a model's `FusedExperts` modules through `fused_experts` and its `SparseMoeBlock`s'
-routers through `fused_route` (the engine does it where a4's Triton kernels run, `a4.models.registry.fuse_for_device`);
-each module keeps its weights and only its forward changes, as with the fused norms.
+`use_fused_experts(model)` (a4/layers/fused.py) routes a model's `FusedExperts` modules through `fused_experts` and its
+`SparseMoeBlock`s' routers through `fused_route` (the engine does it where a4's Triton kernels run,
+`a4.models.registry.fuse_for_device`); each module keeps its weights and only its forward changes, as with the fused
+norms.
 """
 
 from __future__ import annotations
 
-from types import MethodType
 from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
-from torch import nn
 
 # Pairs a program multiplies at once (the rows of its tl.dot, whose smallest is 16), by the mean run per expert.
 SMALL_BLOCK_M, LARGE_BLOCK_M = 16, 64
@@ -248,29 +247,3 @@ def fused_route(router_logits: torch.Tensor, top_k: int, normalize: bool) -> tup
             BLOCK_K=triton.next_power_of_2(top_k),
         )  # fmt: skip
     return weights, experts
-
-
-def _sparse_moe_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    # SparseMoeBlock.forward (notebook 09) with the router in one launch; its experts module is routed below.
-    weights, experts = fused_route(self.gate(x), self.top_k, self.norm_topk_prob)
-    return self.experts(x, experts, weights) + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-
-
-def _fused_experts_forward(self: nn.Module, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor):
-    return fused_experts(x, self.gate_up_proj, self.down_proj, expert_ids, weights)
-
-
-def use_fused_experts(model: nn.Module) -> int:
-    """Route `model`'s `FusedExperts` modules through `fused_experts`, and its `SparseMoeBlock`s' routers through
-    `fused_route`; returns how many modules changed."""
-    from a4.layers.moe import FusedExperts, SparseMoeBlock
-
-    routed = 0
-    for module in model.modules():
-        if isinstance(module, FusedExperts):
-            module.forward = MethodType(_fused_experts_forward, module)
-            routed += 1
-        elif type(module) is SparseMoeBlock:
-            module.forward = MethodType(_sparse_moe_forward, module)
-            routed += 1
-    return routed

@@ -16,19 +16,17 @@ A decoder layer adds its mixer's output to the residual stream and normalises th
 (`a4.layers.norm.add_and_norm`); with the kernel, the add happens in the same program (in the model dtype, as
 torch adds), which writes both the sum and its norm: one launch and one read of the row fewer per layer.
 
-`use_fused_norms(model)` routes a model's norm modules through these kernels (the engine does it where a4's Triton
-kernels run, `a4.models.registry.load_model`): each module keeps its weight and only its forward changes, so the
-students' classes stay as they wrote them, and the CPU path never sees a kernel.
+`use_fused_norms(model)` (a4/layers/fused.py) routes a model's norm modules through these kernels (the engine does it
+where a4's Triton kernels run, `a4.models.registry.load_model`): each module keeps its weight and only its forward
+changes, so the students' classes stay as they wrote them, and the CPU path never sees a kernel.
 """
 
 from __future__ import annotations
 
-from types import MethodType
 
 import torch
 import triton
 import triton.language as tl
-from torch import nn
 
 
 @triton.jit
@@ -99,34 +97,3 @@ def add_rms_norm(
             f"add_rms_norm: residual {residual.dtype} {tuple(residual.shape)} should be x's {x.dtype} {tuple(x.shape)}"
         )
     return _launch(x, weight, eps, None, residual)
-
-
-def _zero_centred_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    return rms_norm(x, self.weight, self.eps)
-
-
-def _zero_centred_add_norm(self: nn.Module, x: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return add_rms_norm(x, h, self.weight, self.eps)
-
-
-def _gated_forward(self: nn.Module, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-    return rms_norm(x, self.weight, self.eps, gate=z)
-
-
-def use_fused_norms(model: nn.Module) -> int:
-    """Give every ZeroCenteredRMSNorm and GatedRMSNorm of `model` the kernel's forward; returns how many.
-
-    A ZeroCenteredRMSNorm also gets `add_norm(x, h)`, the residual add and the norm in one launch, which
-    `a4.layers.norm.add_and_norm` takes where a module has it."""
-    from a4.layers.deltanet import GatedRMSNorm
-    from a4.layers.gated_attention import ZeroCenteredRMSNorm
-
-    fused = 0
-    for module in model.modules():
-        if isinstance(module, (ZeroCenteredRMSNorm, GatedRMSNorm)):
-            forward = _gated_forward if isinstance(module, GatedRMSNorm) else _zero_centred_forward
-            module.forward = MethodType(forward, module)
-            if not isinstance(module, GatedRMSNorm):
-                module.add_norm = MethodType(_zero_centred_add_norm, module)
-            fused += 1
-    return fused

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from a4.core import ForwardBatch
-from a4.models.config import ModelConfig
+from a4.model_config import ModelConfig
 
 
 def causal_conv1d_prefill(

@@ -20,7 +20,7 @@ from torch import nn
 from a4.core import ForwardBatch
 from a4.layers.attention import paged_attention
 from a4.layers.rope import apply_rope
-from a4.models.config import ModelConfig
+from a4.model_config import ModelConfig
 
 
 class ZeroCenteredRMSNorm(nn.Module):

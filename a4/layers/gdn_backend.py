@@ -77,6 +77,11 @@ class PaddedPrefill:
 class TorchGDNBackend:
     """Eager steps: the students' notebook 04 functions (EXTEND, DECODE) and notebook 11's (TARGET_VERIFY)."""
 
+    def __init__(self, verify: ModuleType | None = None) -> None:
+        # Notebook 11's module (a4.speculative.verify), handed in by whoever builds the backend
+        # (a4/engine/factories.py): the layers sit below the speculative package. None: it runs no TARGET_VERIFY step.
+        self.verify = verify
+
     def prepare(self, fb: ForwardBatch) -> None:
         """Each request continues from its slot (cleared when it was given out). A padded prefill (a static EXTEND
         step, `fb.num_token_non_padded` set) gets its `PaddedPrefill`."""
@@ -88,9 +93,7 @@ class TorchGDNBackend:
         conv_state = fb.state_pool.conv_state(gdn_layer)
         states_in = conv_state[fb.state_slots]
         if fb.mode is ForwardMode.TARGET_VERIFY:
-            from a4.speculative.verify import causal_conv1d_verify
-
-            y, states = causal_conv1d_verify(_per_request(x, fb), weight, states_in)
+            y, states = self._verify().causal_conv1d_verify(_per_request(x, fb), weight, states_in)
             fb.state_pool.verify_conv_states(gdn_layer)[fb.state_slots] = states
             return y.flatten(0, 1)
         if fb.mode is ForwardMode.DECODE:
@@ -103,6 +106,12 @@ class TorchGDNBackend:
                 states_out = _conv_state_before_padding(x, states_in, fb.gdn_metadata)
         conv_state[fb.state_slots] = states_out
         return y
+
+    def _verify(self) -> ModuleType:
+        if self.verify is None:
+            raise RuntimeError(f"{type(self).__name__} was built without verify= (a4.speculative.verify): it runs no "
+                               "TARGET_VERIFY step")  # fmt: skip
+        return self.verify
 
     def conv_prefill(
         self, x: torch.Tensor, weight: torch.Tensor, states_in: torch.Tensor, fb: ForwardBatch
@@ -137,9 +146,7 @@ class TorchGDNBackend:
             return o
         inputs = gated_delta_inputs(q, k, v, a, b, A_log, dt_bias)
         if fb.mode is ForwardMode.TARGET_VERIFY:
-            from a4.speculative.verify import gated_delta_rule_verify
-
-            o, states = gated_delta_rule_verify(*(_per_request(x, fb) for x in inputs), state_in)
+            o, states = self._verify().gated_delta_rule_verify(*(_per_request(x, fb) for x in inputs), state_in)
             fb.state_pool.verify_recurrent_states(gdn_layer)[fb.state_slots] = states
             return o.flatten(0, 1)
         # DECODE: one token per request, the requests are the batch of the recurrence.
@@ -159,7 +166,8 @@ class BySlotGDNBackend(TorchGDNBackend):
     """The static-buffer runner's backend: DECODE by slot index in place, with no host list and no host sync, so
     that a CUDA graph could capture it. On the CPU its primitives are notebook 10's torch functions."""
 
-    def __init__(self, ops: ModuleType | None = None) -> None:
+    def __init__(self, ops: ModuleType | None = None, verify: ModuleType | None = None) -> None:
+        super().__init__(verify)
         if ops is None:
             from a4.layers import gdn_decode as ops
         # The by-slot primitives: `conv_update_by_slot_` and `gated_delta_rule_update_by_slot_`.

@@ -37,7 +37,7 @@ class MergedLinear(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.cat([linear.weight for linear in linears]), requires_grad=False)
         self.split_sizes = [linear.out_features for linear in linears]
-        # How the product is computed: F.linear, or a4's small-batch kernel on CUDA (a4/kernels/gemv.py: use_gemv).
+        # How the product is computed: F.linear, or a4's small-batch kernel on CUDA (a4/layers/fused.py: use_gemv).
         self.matmul = F.linear
         self._input: torch.Tensor | None = None
         self._outputs: tuple[torch.Tensor, ...] = ()

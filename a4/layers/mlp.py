@@ -20,7 +20,7 @@ class GatedMLP(nn.Module):
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
         # In torch two launches (silu, then the product); where a4's Triton kernels run, one
-        # (a4/kernels/activation.py: use_fused_activation).
+        # (a4/layers/fused.py: use_fused_activation).
         self.act_and_mul = silu_and_mul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -31,7 +31,7 @@ class RMSNorm(nn.Module):
 def add_and_norm(x: torch.Tensor, h: torch.Tensor, norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
     """The residual stream after a sublayer, x + h (in the model dtype, as in transformers), and `norm` of it.
 
-    Where the norm runs a4's Triton kernel it has an `add_norm` method (a4/kernels/rmsnorm.py: use_fused_norms) that
+    Where the norm runs a4's Triton kernel it has an `add_norm` method (a4/layers/fused.py: use_fused_norms) that
     computes both in one launch; the arithmetic is the same."""
     add_norm = getattr(norm, "add_norm", None)
     if add_norm is not None:

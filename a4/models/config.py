@@ -1,7 +1,7 @@
-"""Reading a checkpoint's config.json into a ModelConfig (a4/models/model_config.py, re-exported here).
+"""Reading a checkpoint's config.json into a ModelConfig (a4/model_config.py, re-exported here).
 
 Which parser reads a file is decided by its `architectures` entry, through `CONFIG_PARSERS`; Qwen3.5's parser is the
-exercise of notebook 01 (qwen3_5_config.py, which builds on model_config.py, not on this module).
+exercise of notebook 01 (qwen3_5_config.py, which builds on a4/model_config.py, not on this module).
 
 Before any parser runs, `parse_config` checks the type of every field a4 reads that the file sets (`FIELD_RULES`),
 so that a parser's `int(...)` never turns "64" or 64.5 into 64, nor `bool("false")` ties embeddings.
@@ -14,7 +14,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable
 
-from a4.models.model_config import (
+from a4.model_config import (
     FIELD_RULES,
     FULL_ATTENTION,
     LAYER_TYPES,

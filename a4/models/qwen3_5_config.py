@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from a4.models.model_config import (
+from a4.model_config import (
     FULL_ATTENTION,
     LINEAR_ATTENTION,
     ConfigError,

@@ -116,10 +116,7 @@ def fuse_for_device(model: nn.Module, device: torch.device, merge_projections: b
 
         merge(model)
     if triton_kernels_run_on(device):
-        from a4.kernels.activation import use_fused_activation
-        from a4.kernels.gemv import use_gemv
-        from a4.kernels.moe import use_fused_experts
-        from a4.kernels.rmsnorm import use_fused_norms
+        from a4.layers.fused import use_fused_activation, use_fused_experts, use_fused_norms, use_gemv
 
         use_fused_norms(model)
         use_fused_activation(model)

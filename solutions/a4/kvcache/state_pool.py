@@ -31,11 +31,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 
 from a4.core import Req
-from a4.models.config import ModelConfig
+from a4.model_config import ModelConfig
 
 # The recurrent state is a long running sum of decayed updates: the checkpoints ask for float32
 # (mamba_ssm_dtype), whatever the model dtype, and transformers keeps it in float32 too.
@@ -59,7 +60,14 @@ class StateCheckpoint:
 
 
 class StatePool:
-    def __init__(self, config: ModelConfig, num_slots: int, dtype: torch.dtype, device: torch.device | str) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        num_slots: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        verify: ModuleType | None = None,
+    ) -> None:
         """Zero-filled conv and recurrent states for `num_slots` request slots of every GDN layer of `config`.
 
         Creates exactly two tensors, both on `device` (see the module docstring for the layout):
@@ -68,7 +76,12 @@ class StatePool:
                               linear_value_head_dim], dtype RECURRENT_DTYPE (float32)
         num_gdn_layers = len(config.linear_attention_layers); config.conv_dim gives conv_dim. Layer first, so that
         each layer's part is one contiguous block (`conv_state(k)` is `self._conv[k]`, a view).
+
+        `verify` (not part of the exercise): notebook 11's module, a4.speculative.verify, whose
+        `commit_verified_states_` `commit_verified` runs; handed in by whoever builds the pool (a4/engine/factories.py),
+        as the pools sit below the speculative package. None: a pool that never commits a verify pass.
         """
+        self.verify = verify
         if not config.is_hybrid:
             raise ValueError(f"{config.architecture} has no Gated DeltaNet layers: it needs no StatePool")
         if not isinstance(num_slots, int) or num_slots <= 0:
@@ -203,9 +216,8 @@ class StatePool:
         One call for all layers: a (layer, slot) pair is a row of the pool's buffers with the layer dim folded into
         the slot dim, so the function sees num_layers x B requests (a call per layer would be ~6 launches and a host
         sync per GDN layer on a GPU, outside the captured verify step)."""
-        # Imported here: an exercise of notebook 11, which serving without speculation must not need.
-        from a4.speculative.verify import commit_verified_states_
-
+        if self.verify is None:
+            raise RuntimeError("commit_verified: this StatePool was built without verify= (a4.speculative.verify)")
         if kept_lens.shape != slots.shape or slots.dim() != 1:
             raise ValueError(
                 f"commit_verified: slots and kept_lens must be two [B] tensors; got {tuple(slots.shape)} and "
@@ -215,7 +227,7 @@ class StatePool:
         # and moved in one copy (on a GPU these launches sit between two verify steps' graphs).
         rows = (torch.arange(self.num_layers)[:, None] * self.num_slots + slots.cpu()[None, :]).flatten()
         rows, kept_lens = torch.stack([rows, kept_lens.cpu().repeat(self.num_layers)]).to(self.device).unbind()
-        commit_verified_states_(
+        self.verify.commit_verified_states_(
             self._conv.flatten(0, 1),
             self._recurrent.flatten(0, 1),
             self._verify_conv.flatten(0, 1).index_select(0, rows),

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from a4.layers.mlp import GatedMLP
-from a4.models.config import ModelConfig
+from a4.model_config import ModelConfig
 
 
 class Routing(NamedTuple):

@@ -1,11 +1,11 @@
 """The worker process of a tensor-parallel engine (ranks 1 .. N-1): its shard of the model, its own pools, and the
-loop that replays what rank 0 does (protocol.py).
+loop that replays what rank 0 does (a4/distributed/protocol.py, tp_driver.py).
 
-A worker loads the checkpoint and keeps its share (sharding.py), then waits for rank 0's `Setup` to size its pools
-as rank 0's: a KV pool of rank 0's pages with its own KV heads, a state pool of rank 0's slots with its own heads'
-states, a request-slot table of rank 0's shape. Then, message after message, it applies rank 0's state-pool
-operations and runs the module call, whose collectives pair with rank 0's; its outputs are dropped (rank 0 samples).
-Its prefix-cache checkpoints are its shares of rank 0's, under the keys rank 0 gave them.
+A worker loads the checkpoint and keeps its share (a4/distributed/sharding.py), then waits for rank 0's `Setup` to size
+its pools as rank 0's: a KV pool of rank 0's pages with its own KV heads, a state pool of rank 0's slots with its own
+heads' states, a request-slot table of rank 0's shape. Then, message after message, it applies rank 0's state-pool
+operations and runs the module call, whose collectives pair with rank 0's; its outputs are dropped (rank 0 samples). Its
+prefix-cache checkpoints are its shares of rank 0's, under the keys rank 0 gave them.
 
 Ctrl-C is rank 0's to handle: a notebook's interrupt reaches the whole process group, and a worker that stopped in
 the middle of a step would leave rank 0 waiting in a collective. Any error ends the worker (its traceback on

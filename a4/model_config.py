@@ -2,8 +2,11 @@
 
 One frozen dataclass serves every model a4 runs. All-attention models (Qwen3) leave the Gated DeltaNet and MoE
 fields at their defaults; hybrid models (Qwen3.5) fill them. The parsers (a4/models/config.py, and Qwen3.5's in
-qwen3_5_config.py, notebook 01) build it with the helpers here; `FIELD_RULES` are the types `parse_config` checks
-before any parser runs.
+a4/models/qwen3_5_config.py, notebook 01) build it with the helpers here; `FIELD_RULES` are the types `parse_config`
+checks before any parser runs.
+
+It imports nothing of a4: the layers, the pools and the models all read it, so it sits below them, beside
+a4/core.py (a4.models.config re-exports it with the parsers).
 """
 
 from __future__ import annotations

@@ -1,12 +1,13 @@
 """Rank 0's side of a tensor-parallel engine: it starts the workers, shards its own model, and mirrors to them every
-module call and state-pool operation of the engine (protocol.py), so that the engine above it is unchanged.
+module call and state-pool operation of the engine (a4/distributed/protocol.py), so that the engine above it is
+unchanged.
 
-`TPDriver(config)` spawns ranks 1 .. N-1 (worker.py; torch.multiprocessing's spawn context, a fresh interpreter
-each) and joins their process group (group.py). The engine then loads its model with `shard` (sharding.py), builds
-its ModelRunner over `rank_config` (so its memory ledger, plan and pools are one rank's), and hands its model, its
-MTP module and its state pool to `mirror` / `mirror_state_pool`. What those return behave as what they wrap, except
-that each module call first broadcasts the step to the workers, and each state-pool operation is logged for the next
-broadcast. `serve(runner)` sends the pools' sizes; `shutdown()` stops the workers.
+`TPDriver(config)` spawns ranks 1 .. N-1 (tp_worker.py; torch.multiprocessing's spawn context, a fresh interpreter each)
+and joins their process group (a4/distributed/group.py). The engine then loads its model with `shard`
+(a4/distributed/sharding.py), builds its ModelRunner over `rank_config` (so its memory ledger, plan and pools are one
+rank's), and hands its model, its MTP module and its state pool to `mirror` / `mirror_state_pool`. What those return
+behave as what they wrap, except that each module call first broadcasts the step to the workers, and each state-pool
+operation is logged for the next broadcast. `serve(runner)` sends the pools' sizes; `shutdown()` stops the workers.
 
 Failures: a module call is a collective, so it must run to its end on every rank or on none.
 - Ctrl-C is held until the call returns (as the scheduler holds it while booking), then raised: the step is aborted
@@ -42,8 +43,8 @@ from torch import nn
 from a4.distributed.group import destroy_tp_group, init_tp_group
 from a4.distributed.protocol import Call, PoolOp, RankReport, Report, Setup, StepInputs, Stop, to_host
 from a4.distributed.sharding import check_divisible, rank_model_config, shard_model
-from a4.distributed.worker import worker_main
 from a4.engine.config import EngineConfig
+from a4.engine.tp_worker import worker_main
 from a4.models.config import ModelConfig, load_model_config
 from a4.scheduler.scheduler import sigint_deferred
 
