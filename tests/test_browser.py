@@ -1,7 +1,7 @@
 """The notebooks in a real browser, as a student runs them: JupyterLab on this repository with the reference solutions
 (A4_SOLUTIONS=1) and on a fresh handout (the untouched skeleton), driven by Chromium through Playwright, each notebook
 run with JupyterLab's own "Run All Cells". What is asserted is what the rendered page shows: with the solutions every
-code cell ran and none shows a traceback; on the handout Run All reaches every check cell, which shows its own
+code cell ran, none shows a traceback and every check cell shows `PASSED <id>`; on the handout Run All reaches every check cell, which shows its own
 `PASSED <id>` or `FAILED <id>`; nowhere "Error displaying widget"; notebook 06's dropdowns redraw their figure when
 one is changed.
 
@@ -16,7 +16,6 @@ import importlib.util
 import json
 import os
 import secrets
-import shutil
 import socket
 import subprocess
 import sys
@@ -26,6 +25,7 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
+import nbformat
 import psutil
 import pytest
 from handout_commands import environment, make_handout
@@ -68,8 +68,8 @@ if (missing := _missing()) is not None:
         pytest.fail(f"A4_REQUIRE_BROWSER=1 but {missing}", pytrace=False)
     pytest.skip(missing, allow_module_level=True)
 
-from playwright.sync_api import Browser, Page, expect, sync_playwright
-from playwright.sync_api import TimeoutError as PlaywrightTimeoutError  # noqa: E402 - after the skip above
+from playwright.sync_api import Browser, Page, expect, sync_playwright  # noqa: E402 - after the skip above
+from playwright.sync_api import TimeoutError as PlaywrightTimeoutError  # noqa: E402
 
 
 class Lab:
@@ -91,16 +91,18 @@ class Lab:
             "JUPYTER_RUNTIME_DIR": str(home / "runtime"),
             "IPYTHONDIR": str(home / "ipython"),
         }
+        self.log = home / "server.log"
+        self._log_file = self.log.open("w")
         self.process = subprocess.Popen(
             [
                 sys.executable, "-m", "jupyter", "lab", "--no-browser", "--ip=127.0.0.1", f"--port={self.port}",
                 "--ServerApp.port_retries=0", f"--IdentityProvider.token={self.token}", f"--ServerApp.root_dir={root}",
-                "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate", "--LabApp.extension_manager=readonly",
+                "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
+                "--LabApp.extension_manager=readonly",
                 "--allow-root",  # CI runs as root
             ],
-            env=env, stdout=(home / "server.log").open("w"), stderr=subprocess.STDOUT,
+            env=env, stdout=self._log_file, stderr=subprocess.STDOUT,
         )  # fmt: skip
-        self.log = home / "server.log"
         deadline = time.monotonic() + SERVER_START_S
         while not self._api("status"):
             if self.process.poll() is not None or time.monotonic() > deadline:
@@ -139,6 +141,7 @@ class Lab:
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait()
+        self._log_file.close()
         # Kernels run in sessions of their own: one the server failed to stop would outlive it.
         for process in children:
             if process.is_running():
@@ -199,12 +202,24 @@ def code_cells(page: Page) -> list[dict[str, str]]:
     )
 
 
-def assert_every_cell_ran(notebook: str, cells: list[dict[str, str]]) -> None:
+def source_of(lab: Lab, notebook: str) -> nbformat.NotebookNode:
+    return read_notebook(lab.root / "notebooks" / f"{notebook}.ipynb")
+
+
+def assert_every_cell_ran(lab: Lab, notebook: str, cells: list[dict[str, str]]) -> None:
     # Run All stops at the first cell that raises: a cell without an execution count was never reached.
-    expected = sum(cell.cell_type == "code" for cell in read_notebook(REPO_ROOT / "notebooks" / f"{notebook}.ipynb").cells)
+    expected = sum(cell.cell_type == "code" for cell in source_of(lab, notebook).cells)
     assert len(cells) == expected, f"{notebook}: the page shows {len(cells)} code cells, the notebook has {expected}"
     not_run = [i for i, cell in enumerate(cells) if not cell["prompt"].strip("[]: ").isdigit()]
     assert not not_run, f"{notebook}: Run All did not reach code cells {not_run}"
+
+
+def check_outputs(lab: Lab, notebook: str, cells: list[dict[str, str]]) -> dict[str, str]:
+    """Check id -> what its check cell shows, for every check cell of the notebook, in order."""
+    code = [cell for cell in source_of(lab, notebook).cells if cell.cell_type == "code"]
+    shown = {ids[0]: cells[index]["output"] for index, cell in enumerate(code) if (ids := check_ids_of(cell))}
+    assert list(shown) == list(check_cells(source_of(lab, notebook)))
+    return shown
 
 
 @pytest.fixture(scope="module")
@@ -225,9 +240,12 @@ def test_solutions_run_all_without_an_error(
     stored = (REPO_ROOT / "notebooks" / f"{notebook}.ipynb").read_bytes()
     page = run_all(browser, solutions_lab, notebook)
     cells = code_cells(page)
-    assert_every_cell_ran(notebook, cells)
+    assert_every_cell_ran(solutions_lab, notebook, cells)
     errors = {i: cell["output"] for i, cell in enumerate(cells) if "Traceback" in cell["output"]}
     assert not errors, f"{notebook}: error output in code cells {list(errors)}:\n" + "\n\n".join(errors.values())
+    shown = check_outputs(solutions_lab, notebook, cells)
+    failed = [check_id for check_id, output in shown.items() if f"PASSED {check_id}" not in output]
+    assert not failed, f"{notebook}: checks that did not pass: " + "\n\n".join(shown[c] for c in failed)
     assert "Error displaying widget" not in page.inner_text(".jp-Notebook")
     assert (REPO_ROOT / "notebooks" / f"{notebook}.ipynb").read_bytes() == stored, "the run saved the notebook"
     if notebook == WIDGET_NOTEBOOK:
@@ -240,15 +258,10 @@ def test_solutions_run_all_without_an_error(
 def test_handout_run_all_shows_every_check_result(notebook: str, browser: Browser, handout_lab: Lab) -> None:
     page = run_all(browser, handout_lab, notebook)
     cells = code_cells(page)
-    assert_every_cell_ran(notebook, cells)
-    source = read_notebook(handout_lab.root / "notebooks" / f"{notebook}.ipynb")
-    checks = check_cells(source)
-    code = [cell for cell in source.cells if cell.cell_type == "code"]
-    shown = {ids[0]: cells[index]["output"] for index, cell in enumerate(code) if (ids := check_ids_of(cell))}
-    assert list(shown) == list(checks)
+    assert_every_cell_ran(handout_lab, notebook, cells)
     silent = [
         check_id
-        for check_id, output in shown.items()
+        for check_id, output in check_outputs(handout_lab, notebook, cells).items()
         if f"PASSED {check_id}" not in output and f"FAILED {check_id}" not in output
     ]
     assert not silent, f"{notebook}: check cells without their result: {silent}"
@@ -266,7 +279,7 @@ def test_the_widgets_redraw_when_a_dropdown_changes(solutions_pages: dict[str, P
     cell.locator(".widget-dropdown select").first.select_option(index=1)
     try:
         page.wait_for_function(
-            "([cell, before]) => { const img = cell.querySelector('.widget-output img'); return img && img.src !== before; }",
+            "([cell, before]) => (img => img && img.src !== before)(cell.querySelector('.widget-output img'))",
             arg=[cell.element_handle(), before],
             timeout=WIDGET_MS,
         )
