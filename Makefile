@@ -1,7 +1,7 @@
 # The two commands of the README: `make demo` and `make test`. Both create .venv on first use (venv.mk).
 include venv.mk
 
-.PHONY: demo test unit unit-portable notebooks book grade release bench train-tiny clean
+.PHONY: demo test unit unit-portable browser-test notebooks book grade release bench train-tiny clean
 
 demo: $(STAMP)
 	A4_SOLUTIONS=1 $(PY) -m a4 demo
@@ -15,9 +15,11 @@ test: $(STAMP)
 
 # Two pytest workers on two cores: one torch thread each (THREADS), or every small op pays for thread
 # oversubscription. Another thread count splits the sums differently: `make unit THREADS=2`.
+# tests/test_browser.py runs in browser-test only.
 THREADS ?= 1
 unit: $(STAMP)
-	OMP_NUM_THREADS=$(THREADS) A4_SOLUTIONS=1 $(PY) -m pytest -q -n 2 --dist loadfile $(UNIT_ARGS) tests
+	OMP_NUM_THREADS=$(THREADS) A4_SOLUTIONS=1 $(PY) -m pytest -q -n 2 --dist loadfile --ignore=tests/test_browser.py \
+		$(UNIT_ARGS) tests
 
 # The unit tests on PyTorch's plain C++ kernels instead of this CPU's vectorised ones: sums in another order, as on
 # another CPU (CI runs this after `make test`). `ATEN_CPU_CAPABILITY=avx2 make unit` tries AVX2's kernels. The test
@@ -27,6 +29,17 @@ NO_FLOAT_TESTS = test_handout test_handout_solved test_grade test_course test_bo
 	test_kernels_cpu test_properties_pools test_properties_radix_cache test_radix_cache test_memory_plan
 unit-portable: $(STAMP)
 	ATEN_CPU_CAPABILITY=default $(MAKE) unit UNIT_ARGS="$(NO_FLOAT_TESTS:%=--ignore=tests/%.py)"
+
+# Notebooks in JupyterLab in a real browser (tests/test_browser.py, about 3 minutes on 2 cores): Playwright from the
+# `browser` extra, which only this target installs, and Debian's Chromium at /usr/bin/chromium (apt-get install
+# chromium; CI's .ci/run installs it). A4_REQUIRE_BROWSER=1: a missing browser fails the run instead of skipping it.
+BROWSER_STAMP := $(VENV)/.installed-browser
+$(BROWSER_STAMP): $(STAMP)
+	$(PY) -m pip install -q -e ".[book,browser]"
+	touch $(BROWSER_STAMP)
+
+browser-test: $(BROWSER_STAMP)
+	OMP_NUM_THREADS=1 A4_REQUIRE_BROWSER=1 $(PY) -m pytest -q tests/test_browser.py
 
 # Every cell passes with A4_SOLUTIONS=1; on the skeleton every check cell fails and no other cell does.
 notebooks: $(STAMP)
