@@ -16,6 +16,7 @@ from collections.abc import Callable
 import pytest
 import torch
 from hypothesis import settings
+from transformers import AutoTokenizer
 
 from a4._overlay import REPO_ROOT
 from a4.checkpoints import tiny_checkpoint
@@ -55,6 +56,25 @@ def tiny_qwen3_5_moe():
 def chat_model_dir():
     """The trained tiny Qwen3.5, with its tokenizer and Qwen's chat template: the server's and its benchmark's."""
     return tiny_checkpoint("qwen3_5", trained=True)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(chat_model_dir):
+    """The trained tiny Qwen3.5's tokenizer, as transformers loads it."""
+    return AutoTokenizer.from_pretrained(chat_model_dir, local_files_only=True)
+
+
+@pytest.fixture(scope="module")
+def server(chat_model_dir, tokenizer):
+    """The server's tests: the app of `python -m a4 serve` on the trained tiny Qwen3.5 under uvicorn in a thread of
+    this process; yields its base URL and its engine loop."""
+    from server_helpers import running_server
+
+    from a4.server.launch import build_app
+
+    app = build_app(chat_model_dir, tokenizer, max_running_requests=4, max_prefill_tokens=64)
+    with running_server(app) as base_url:
+        yield base_url, app.state.engine_loop
 
 
 @pytest.fixture

@@ -7,7 +7,9 @@ had never been submitted: every slot free, no page owned by anyone but the alloc
 every state checkpoint still the state after exactly its tokens (checked against transformers' cache). Later calls,
 including ones that hit the cache on the interrupted prompts, must equal transformers' greedy tokens.
 
-Models: Qwen3 (radix cache) and Qwen3.5 under both hybrid policies, chunked prefill on, prefix cache on.
+Models: Qwen3 (radix cache) and Qwen3.5 under both hybrid policies, chunked prefill on, prefix cache on; and Qwen3.5
+with overlap scheduling and mixed steps (tests/test_step_loop.py), where the step that raises has another in flight
+and the requests of both are aborted.
 """
 
 from __future__ import annotations
@@ -30,7 +32,11 @@ MAX_PREFILL = 16
 WARM = list(range(3, 40, 1))  # fills the cache first, so that the interrupted call also has a prefix hit
 PROMPTS = [WARM + [7, 8, 9], [11, 12, 13, 14, 15], list(range(100, 140))]
 
-ENGINES = [("qwen3", "checkpoint", 1), ("qwen3_5", "checkpoint", 1), ("qwen3_5", "refuse", 1), ("qwen3_5", "checkpoint", 4)]
+# (arch, hybrid policy, page size, overlap scheduling and mixed steps)
+ENGINES = [
+    ("qwen3", "checkpoint", 1, False), ("qwen3_5", "checkpoint", 1, False), ("qwen3_5", "refuse", 1, False),
+    ("qwen3_5", "checkpoint", 4, False), ("qwen3_5", "checkpoint", 1, True),
+]  # fmt: skip
 
 
 @pytest.fixture(autouse=True)
@@ -96,7 +102,8 @@ class LayerInterrupt:
         self.handle = engine.model.model.layers[layer].register_forward_hook(hook)
 
 
-def build(checkpoint_dir, policy: str = "checkpoint", page_size: int = 1) -> LLM:
+def build(checkpoint_dir, policy: str = "checkpoint", page_size: int = 1, in_flight: bool = False) -> LLM:
+    """`in_flight`: overlap scheduling and mixed steps on, so that a step runs with the one before it unbooked."""
     return LLM(
         checkpoint_dir,
         max_running_requests=3,
@@ -104,6 +111,8 @@ def build(checkpoint_dir, policy: str = "checkpoint", page_size: int = 1) -> LLM
         page_size=page_size,
         enable_prefix_cache=True,
         hybrid_prefix_policy=policy,
+        overlap_schedule=in_flight,
+        enable_mixed_chunk=in_flight,
     )
 
 
@@ -176,20 +185,21 @@ STAGES = [
 
 
 def _cases():
-    for arch, policy, page_size in ENGINES:
+    for arch, policy, page_size, in_flight in ENGINES:
         for stage in STAGES:
             keeps_states = arch == "qwen3_5" and policy == "checkpoint"
             if stage.startswith("state-") and not keeps_states:
                 continue  # only the checkpoint policy saves and restores states
             if page_size > 1 and stage not in ("prefill-forward", "decode-forward", "state-restore"):
                 continue  # page_size > 1 runs the paths whose bookkeeping differs (partial pages)
-            yield pytest.param(arch, policy, page_size, stage, id=f"{arch}-{policy}-page{page_size}-{stage}")
+            loop = "-overlap-mixed" if in_flight else ""
+            yield pytest.param(arch, policy, page_size, in_flight, stage, id=f"{arch}-{policy}-page{page_size}{loop}-{stage}")
 
 
-@pytest.mark.parametrize("arch, policy, page_size, stage", list(_cases()))
-def test_interrupted_generate_leaves_the_engine_clean(request, monkeypatch, arch, policy, page_size, stage):
+@pytest.mark.parametrize("arch, policy, page_size, in_flight, stage", list(_cases()))
+def test_interrupted_generate_leaves_the_engine_clean(request, monkeypatch, arch, policy, page_size, in_flight, stage):
     checkpoint_dir = request.getfixturevalue(f"tiny_{arch}")
-    llm = build(checkpoint_dir, policy, page_size)
+    llm = build(checkpoint_dir, policy, page_size, in_flight)
     params = SamplingParams(max_new_tokens=MAX_NEW)
     expected = hf_greedy(checkpoint_dir, PROMPTS, MAX_NEW)
     assert llm.generate([WARM], params)[0].token_ids == hf_greedy(checkpoint_dir, [WARM], MAX_NEW)[0]

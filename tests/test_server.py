@@ -27,25 +27,12 @@ from server_helpers import (
     running_server,
     wait_for,
 )
-from transformers import AutoTokenizer
 
 from a4.course.demo import needs_exercise
 from a4.course.exercises import not_written_yet
 from a4.reference import hf_greedy
 from a4.server.detokenizer import IncrementalDetokenizer
 from a4.server.launch import build_app
-
-
-@pytest.fixture(scope="module")
-def tokenizer(chat_model_dir):
-    return AutoTokenizer.from_pretrained(chat_model_dir, local_files_only=True)
-
-
-@pytest.fixture(scope="module")
-def server(chat_model_dir, tokenizer):
-    app = build_app(chat_model_dir, tokenizer, max_running_requests=4, max_prefill_tokens=64)
-    with running_server(app) as base_url:
-        yield base_url, app.state.engine_loop
 
 
 @pytest.fixture(scope="module")

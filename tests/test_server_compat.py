@@ -6,22 +6,7 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
-from server_helpers import MODEL, WAIT_SECONDS, chat_prompt_ids, client, reference, running_server
-from transformers import AutoTokenizer
-
-from a4.server.launch import build_app
-
-
-@pytest.fixture(scope="module")
-def tokenizer(chat_model_dir):
-    return AutoTokenizer.from_pretrained(chat_model_dir, local_files_only=True)
-
-
-@pytest.fixture(scope="module")
-def server(chat_model_dir, tokenizer):
-    app = build_app(chat_model_dir, tokenizer, max_running_requests=4, max_prefill_tokens=64)
-    with running_server(app) as base_url:
-        yield base_url, app.state.engine_loop
+from server_helpers import MODEL, WAIT_SECONDS, chat_prompt_ids, client, reference
 
 
 def test_a_model_is_retrieved_by_name(server):

@@ -14,7 +14,6 @@ import httpx
 import openai
 import pytest
 from server_helpers import MODEL, WAIT_SECONDS, client, metric_values, reference, running_server
-from transformers import AutoTokenizer
 
 from a4.__main__ import main
 from a4.server.launch import build_app
@@ -24,11 +23,6 @@ KEY = "sekrit-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 MAX_REQUEST_BYTES = 64 * 1024
 REQUEST_TIMEOUT = 2.0
-
-
-@pytest.fixture(scope="module")
-def tokenizer(chat_model_dir):
-    return AutoTokenizer.from_pretrained(chat_model_dir, local_files_only=True)
 
 
 @pytest.fixture(scope="module")

@@ -1,11 +1,12 @@
 """The step loop: overlap scheduling (`overlap_schedule`) and mixed prefill + decode steps (`enable_mixed_chunk`).
 
 Everything here runs with overlap scheduling forced on (the CUDA default; on the CPU it runs the same path, one step
-booked a call late), with mixed steps on and off, against transformers' greedy tokens (`hf_greedy`): requests that
+booked a call late) with mixed steps on and off, and with mixed steps alone, against transformers' greedy tokens (`hf_greedy`): requests that
 arrive while others decode, chunked prefill, slot reuse, prefix hits under both hybrid policies (each state
 checkpoint checked against transformers' state after its tokens), an end-of-sequence token seen one step late, an
-abort of a request in flight, and an interrupt in every phase of a step with another in flight. The engine must end
-every call as idle as the plain loop leaves it: no step in flight, every slot free, no page or lock held.
+abort of a request in flight (an interrupt in every phase of a step with another in flight is test_fault_injection's).
+The engine must end every call as idle as the plain loop leaves it: no step in flight, every slot free, no page or lock
+held.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import pytest
 
 from a4 import LLM, SamplingParams
 from a4.reference import hf_greedy
-from test_fault_injection import STAGES, assert_checkpoint_is_transformers_state, assert_clean, inject
+from test_fault_injection import assert_clean
 
 PROMPTS = [list(range(3, 40)), [11, 12, 13, 14, 15], list(range(100, 140)), [5, 6], [9, 8, 7, 6, 5, 4, 3]]
 MAX_NEW = 6
@@ -140,29 +141,6 @@ def test_abort_of_a_request_in_flight(tiny_qwen3_5, loop):
     assert [reqs[0].output_ids, reqs[2].output_ids] == [expected[0], expected[2]]
     assert reqs[1].output_ids == kept == expected[1][: len(kept)]
     assert_clean(llm, tiny_qwen3_5)
-
-
-@pytest.mark.parametrize("stage", STAGES)
-def test_interrupt_with_a_step_in_flight(request, monkeypatch, stage):
-    """test_fault_injection's interrupts, under overlap scheduling with mixed steps: the step that raises has
-    another in flight, and both batches' requests are aborted. The engine is then clean (checkpoints = transformers'
-    states), and later calls, hits on the interrupted prompts included, are exact."""
-    checkpoint_dir = request.getfixturevalue("tiny_qwen3_5")
-    llm = build(checkpoint_dir, (True, True), enable_prefix_cache=True)
-    params = SamplingParams(max_new_tokens=MAX_NEW)
-    warm = PROMPTS[0][:-3]
-    llm.generate([warm], params)
-    with monkeypatch.context() as patch:
-        inject(stage, llm, patch)
-        with pytest.raises(KeyboardInterrupt):
-            llm.generate(PROMPTS, params)
-    for module in llm.engine.model.modules():
-        module._forward_hooks.clear()
-    assert llm.engine._in_flight is None
-    assert_clean(llm, checkpoint_dir)
-    outputs = llm.generate(PROMPTS, params)
-    assert [out.token_ids for out in outputs] == hf_greedy(checkpoint_dir, PROMPTS, MAX_NEW)
-    assert_clean(llm, checkpoint_dir)
 
 
 def test_seeded_sampling_does_not_depend_on_the_loop(tiny_qwen3_5):
