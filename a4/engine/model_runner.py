@@ -85,7 +85,7 @@ class ModelRunner:
         on_cuda = self.device.type == "cuda"
         static = on_cuda or config.cuda_graphs is True
         # Overlap scheduling (engine.py) launches a step before the last one is booked: a request whose EOS that
-        # booking finds has run one step more, on the padding slot's state (`_state_slots`).
+        # booking finds has run one step more, on the padding slot's state (`_inputs`).
         self.masks_finished = config.overlap and model_config.is_hybrid
         self.eos_token_ids = torch.tensor(model_config.eos_token_ids, dtype=torch.int64, device=self.device)
         # Padded requests of a static batch need a slot and KV locations that no request owns, beyond the plan
@@ -140,9 +140,9 @@ class ModelRunner:
         predict its next token), or with `every_row` all of them (a speculative engine's drafter reads them)."""
         mode = forward_mode(batch)
         reqs, extend_lens, prefix_lens = batch.reqs, batch.extend_lens, batch.prefix_lens
+        state_slots = None
         if input_ids is None:
-            input_ids = self._input_ids(batch)
-        state_slots = self._state_slots(batch, input_ids) if self.masks_finished else None
+            input_ids, state_slots = self._inputs(batch)
         runner = self.graph_runner
         if mode is ForwardMode.EXTEND and runner is not None and not every_row and runner.takes_prefill(
             prefix_lens, extend_lens
@@ -163,36 +163,33 @@ class ModelRunner:
         fb = self.forward_batch(mode, input_ids, slots, prefix_lens, extend_lens, sample_indices, state_slots)
         return ModelOutput(*self.model(fb, with_hidden=True))
 
-    def _input_ids(self, batch: Batch) -> list[int] | torch.Tensor:
-        """The tokens the batch feeds: prompt tokens from the host, and for each request that decodes the token it
-        sampled last, from `last_tokens` on the device (under overlap scheduling the host does not have it yet)."""
+    def _inputs(self, batch: Batch) -> tuple[list[int] | torch.Tensor, torch.Tensor | None]:
+        """The tokens the batch feeds, and the requests' state rows where they are not their slots (None).
+
+        Prompt tokens come from the host; a decoding request feeds the token it sampled last, read from
+        `last_tokens` on the device (under overlap scheduling the host does not have it yet). With overlap
+        scheduling (`masks_finished`), a decoding request whose last token is an end-of-sequence token it may stop
+        at finished in the step before, booked only after this one was launched: it runs on the padding slot's
+        state, so that its own stays the state after its tokens (the prefix cache saves it); this step's token is
+        dropped."""
         decode_rows = batch.decode_rows
         if not any(decode_rows):
             return [t for req, p, n in zip(batch.reqs, batch.prefix_lens, batch.extend_lens)
-                    for t in req.input_ids[p : p + n]]  # fmt: skip
+                    for t in req.input_ids[p : p + n]], None  # fmt: skip
         # The decoding requests come last (a mixed step puts them after the prompts), one token each.
         num_prompts = decode_rows.index(True)
         prompts = zip(batch.reqs[:num_prompts], batch.prefix_lens, batch.extend_lens)
         prompt_ids = [t for req, p, n in prompts for t in req.input_ids[p : p + n]]
-        packed = to_device([req.slot for req in batch.reqs[num_prompts:]] + prompt_ids, self.device)
-        decode_slots, prompt_ids = packed.split([len(batch.reqs) - num_prompts, len(prompt_ids)])
-        return torch.cat([prompt_ids, self.last_tokens[decode_slots]])
-
-    def _state_slots(self, batch: Batch, input_ids: torch.Tensor | list[int]) -> torch.Tensor | None:
-        """Each request's state row: its slot, but the padding slot for a request that decodes an end-of-sequence
-        token it may stop at. Under overlap scheduling such a request finished in the step before, booked only after
-        this one was launched; its state must stay the state after its tokens (the prefix cache saves it), and this
-        step's token is dropped."""
-        may_stop = [decode and not req.sampling_params.ignore_eos for req, decode in zip(batch.reqs, batch.decode_rows)]
-        if not any(may_stop):
-            return None
-        # Each request's last fed token: a decoding request's only one.
-        last_rows = list(itertools.accumulate(batch.extend_lens, initial=-1))[1:]
-        packed = to_device([[req.slot for req in batch.reqs], last_rows, may_stop], self.device)
-        slots, last_rows, may_stop = packed
-        last_ids = torch.as_tensor(input_ids, device=self.device)[last_rows]
-        stops = torch.isin(last_ids, self.eos_token_ids) & may_stop.bool()
-        return torch.where(stops, self.padding_slot, slots)
+        may_stop = [not req.sampling_params.ignore_eos for req in batch.reqs[num_prompts:]]
+        # One copy to the device: every slot, the prompts' tokens, which decoding requests may stop at an EOS.
+        packed = to_device([req.slot for req in batch.reqs] + prompt_ids + may_stop, self.device)
+        slots, prompt_ids, stoppable = packed.split([len(batch.reqs), len(prompt_ids), len(may_stop)])
+        last_tokens = self.last_tokens[slots[num_prompts:]]
+        input_ids = torch.cat([prompt_ids, last_tokens])
+        if not (self.masks_finished and any(may_stop)):
+            return input_ids, None
+        stops = torch.isin(last_tokens, self.eos_token_ids) & stoppable.bool()
+        return input_ids, torch.cat([slots[:num_prompts], torch.where(stops, self.padding_slot, slots[num_prompts:])])
 
     def keep_last_tokens(self, reqs: list[Req], tokens: torch.Tensor) -> None:
         """Record on the device the token each of reqs just sampled (tokens [len(reqs)], on the device)."""

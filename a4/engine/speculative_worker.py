@@ -61,27 +61,24 @@ class SpeculativeWorker(ModelWorker):
         self.drafter, self.num_draft_tokens, self.keep_tokens = drafter, num_draft_tokens, keep_tokens
 
     def launch(self, batch: Batch) -> LaunchedStep:
-        """Prefill, or draft, verify and commit: the step comes back done, its tokens on the host (a speculative
-        engine books each step before scheduling the next)."""
-        drafted = accepted = 0
+        """Prefill, or draft, verify and commit, waiting for the device: a speculative engine books each step before
+        it schedules the next, and the drafter needs the tokens kept."""
         if forward_mode(batch) is ForwardMode.EXTEND:
             out = self.runner.forward(batch, every_row=True)
             ends = list(itertools.accumulate(batch.extend_lens))
             last_rows = [end - 1 for end, sampled in zip(ends, batch.sample) if sampled]
             sampled_reqs = [req for req, sampled in zip(batch.reqs, batch.sample) if sampled]
-            samples = iter(self.sampler.sample(out.logits[last_rows], sampled_reqs).result())
-            next_tokens, errors = zip(*(next(samples) if sampled else (None, None) for sampled in batch.sample))
-            committed = list(batch.extend_lens)
-        else:
-            drafts = self._drafts(batch.reqs)
-            drafted = sum(t >= 0 for d in drafts for t in d)
-            input_ids = [
-                t if t >= 0 else FILLER_TOKEN for req, d in zip(batch.reqs, drafts) for t in (req.output_ids[-1], *d)
-            ]
-            out = self.runner.forward(batch, input_ids, every_row=True)
-            next_tokens, errors, accepted = self._accept(batch, drafts, out.logits)
-            committed = [len(tokens) for tokens in next_tokens]
-        return VerifiedStep(batch, None, (list(next_tokens), list(errors)), drafted, accepted, committed, out.hidden)
+            samples = self.sampler.sample(out.logits[last_rows], sampled_reqs) if sampled_reqs else None
+            return VerifiedStep(batch, samples, committed=list(batch.extend_lens), hidden=out.hidden)
+        drafts = self._drafts(batch.reqs)
+        input_ids = [
+            t if t >= 0 else FILLER_TOKEN for req, d in zip(batch.reqs, drafts) for t in (req.output_ids[-1], *d)
+        ]
+        out = self.runner.forward(batch, input_ids, every_row=True)
+        next_tokens, errors, accepted = self._accept(batch, drafts, out.logits)
+        drafted = sum(t >= 0 for d in drafts for t in d)
+        committed = [len(tokens) for tokens in next_tokens]
+        return VerifiedStep(batch, None, (next_tokens, errors), drafted, accepted, committed, out.hidden)
 
     def booked(self, step: VerifiedStep) -> None:
         self._observe(step.batch, step.committed, step.hidden)
