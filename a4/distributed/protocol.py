@@ -12,7 +12,7 @@ happens, in order (a4/engine/tp_driver.py), one broadcast per module call:
   cache evicted). No rank reads a state between two module calls, so the ops wait for the next message.
 - `Call`: a module call that every rank makes together (the main model's forward, the MTP module's forward and its
   lm_head), with the step's `StepInputs`: its ForwardBatch without the rank-local parts, and the rows of the table that
-  the step reads. Slots and KV locations are rank 0's on every rank, so a worker needs no allocator of its own.
+  the step reads (a worker rebuilds the step with a4/engine/forward_batch.py's `rank_forward_batch`). Slots and KV locations are rank 0's on every rank, so a worker needs no allocator of its own.
 - `Setup` once the plan is made (the pools' sizes), `Report` for tests and diagnostics, `Stop`.
 """
 
@@ -41,30 +41,15 @@ class StepInputs:
     @classmethod
     def of(cls, fb: ForwardBatch) -> StepInputs:
         longest = int(fb.seq_lens.max())
-        host = replace(fb, **{name: None for name in RANK_LOCAL_FIELDS}, **_tensors(fb, torch.device("cpu")))
+        host = replace(fb, **{name: None for name in RANK_LOCAL_FIELDS}, **step_tensors(fb, torch.device("cpu")))
         return cls(host, fb.req_to_token[fb.slots, :longest].cpu())
 
     @property
     def extend_lens(self) -> list[int] | None:
         return self.fb.extend_lens
 
-    def forward_batch(self, req_to_token: torch.Tensor, kv_pool, state_pool, attn_backend) -> ForwardBatch:
-        """The same step over this rank's table, pools and backend (its rows of the table written first)."""
-        device = req_to_token.device
-        req_to_token[self.fb.slots.to(device), : self.table_rows.shape[1]] = self.table_rows.to(device)
-        fb = replace(
-            self.fb,
-            req_to_token=req_to_token,
-            kv_pool=kv_pool,
-            state_pool=state_pool,
-            attn_backend=attn_backend,
-            **_tensors(self.fb, device),
-        )
-        attn_backend.prepare(fb)
-        return fb
 
-
-def _tensors(fb: ForwardBatch, device: torch.device) -> dict[str, torch.Tensor]:
+def step_tensors(fb: ForwardBatch, device: torch.device) -> dict[str, torch.Tensor]:
     """The step's own tensors (ids, positions, slots, lengths, locations) moved to `device`."""
     return {
         field.name: getattr(fb, field.name).to(device)

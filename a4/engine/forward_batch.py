@@ -1,5 +1,6 @@
 """The one place a step's ForwardBatch is made: from host lists for an eager step, from static buffers for the
-static-buffer runner (a4/engine/graph_runner.py), whose steps a CUDA graph may capture.
+static-buffer runner (a4/engine/graph_runner.py), whose steps a CUDA graph may capture, and on a tensor-parallel
+worker from what rank 0 sent (a4/distributed/protocol.py's `StepInputs`).
 
 The model runner builds every step's context here, and so do the drafter, the course's hand-stepped checks and the
 benches, through `build_forward_batch`. The mode is given by the caller, from the scheduler's batch: it is never
@@ -10,7 +11,10 @@ from __future__ import annotations
 
 import torch
 
+from dataclasses import replace
+
 from a4.core import AttentionBackend, ForwardBatch, ForwardMode, GDNStates, to_device
+from a4.distributed.protocol import StepInputs, step_tensors
 
 
 def build_forward_batch(
@@ -147,6 +151,26 @@ def static_extend_batch(
         extend_lens=[num_padded],
         prefix_lens=[0],
         num_token_non_padded=num_tokens,
+    )
+    attn_backend.prepare(fb)
+    return fb
+
+
+def rank_forward_batch(
+    step: StepInputs, *, req_to_token: torch.Tensor, kv_pool, state_pool: GDNStates | None, attn_backend: AttentionBackend
+) -> ForwardBatch:
+    """A tensor-parallel worker's context of rank 0's step, over the worker's own table, pools and backend: the
+    table rows the step reads are written into the worker's table first (slots and KV locations are rank 0's on
+    every rank, a4/engine/tp_driver.py)."""
+    device = req_to_token.device
+    req_to_token[step.fb.slots.to(device), : step.table_rows.shape[1]] = step.table_rows.to(device)
+    fb = replace(
+        step.fb,
+        req_to_token=req_to_token,
+        kv_pool=kv_pool,
+        state_pool=state_pool,
+        attn_backend=attn_backend,
+        **step_tensors(step.fb, device),
     )
     attn_backend.prepare(fb)
     return fb

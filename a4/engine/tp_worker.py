@@ -28,6 +28,7 @@ from a4.distributed.protocol import Call, PoolOp, RankReport, Report, Setup, Sto
 from a4.distributed.sharding import rank_model_config, shard_model
 from a4.engine.config import EngineConfig
 from a4.engine.factories import create_backends, create_kv_pool, create_state_pool
+from a4.engine.forward_batch import rank_forward_batch
 from a4.models.registry import load_model
 
 
@@ -133,7 +134,9 @@ class RankWorker:
             return
         step = call.step
         backend = self.backend if step.extend_lens is not None else self.static_backend
-        fb = step.forward_batch(self.req_to_token, self.kv_pool, self.state_pool, backend)
+        fb = rank_forward_batch(
+            step, req_to_token=self.req_to_token, kv_pool=self.kv_pool, state_pool=self.state_pool, attn_backend=backend
+        )
         module(fb, *args, **call.kwargs)
 
     def report(self) -> RankReport:
