@@ -349,14 +349,6 @@ def test_step_profiles_profile_the_steps_they_name(overlap_schedule):
     assert stats.decode_tokens == 5 * (gpu.PROFILE_NEW_TOKENS - 1)
 
 
-def test_idle_gaps_split_launch_gaps_from_waits_for_the_host():
-    """The idle time between kernels, counted from the end of everything before each one (kernels may overlap), split
-    at HOST_GAP_US: here 1 + 2 us of launch gaps and one 50 us wait, in any order of the spans."""
-    spans = [(0, 10), (11, 20), (15, 30), (32, 40), (90, 100)]
-    assert gpu.HOST_GAP_US < 50
-    assert gpu.idle_gaps(spans[::-1]) == (3.0, 50.0)
-
-
 def test_gpu_parts_run_on_the_cpu(capsys):
     """Every part of `bench gpu` but the processes and CUDA: the tiny model on the CPU, then the report."""
     workload = gpu.Workload.quick()

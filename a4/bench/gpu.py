@@ -73,6 +73,7 @@ from a4.bench import Unavailable, write_report
 from a4.bench._floor import ModelBytes, copy_bytes_per_second, gemm_flop_per_second
 from a4.bench._timing import device_seconds
 from a4.checkpoints import make_checkpoint
+from a4.core import ForwardMode
 from a4.kernels import TRANSFORMERS_KERNEL_PACKAGES
 
 DEFAULT_OUT_DIR = REPO_ROOT / "solutions" / "report"
@@ -420,7 +421,7 @@ def kernel_package_imported(package: str) -> bool:
 TOP_KERNELS = 15
 # New tokens of each profiled request: enough that every request of a batch is still decoding at the profiled step,
 # even where the scheduler decoded the first ones between the prefill chunks of the others.
-PROFILE_NEW_TOKENS = 12
+PROFILE_NEW_TOKENS = 8
 
 
 def step_profiles(
@@ -469,8 +470,14 @@ def launch_profile(engine, prompts: list[list[int]], step: str, wall_ms: float) 
     if ran != expected:
         raise RuntimeError(f"the profiled step was not the {step} step of {len(prompts)} requests: "
                            f"(prefill steps, decode steps, requests decoded) {ran}, expected {expected}")  # fmt: skip
-    gaps = steady_gaps(engine) if step == "decode" and on_cuda else {}
-    engine.run(reqs)
+    replay_ms = graph_replay_ms(engine, len(prompts)) if step == "decode" and on_cuda else None
+    if replay_ms is None:
+        engine.run(reqs)
+    else:
+        for req in reqs:  # their states went on with the replays: nothing of them may be cached
+            engine.abort_req(req)
+        while engine.has_unfinished_requests:
+            engine.step()
     kernels = cuda_kernels(prof)
     by_name: dict[str, list[float]] = {}
     for event in kernels:
@@ -480,47 +487,33 @@ def launch_profile(engine, prompts: list[list[int]], step: str, wall_ms: float) 
         "kernels": len(kernels),
         "kernel_ms": sum(e.device_time_total for e in kernels) / 1e3,
         "wall_ms": wall_ms,
-        **gaps,
+        **({} if replay_ms is None else {"graph_replay_ms": replay_ms}),
         "top_kernels": [{"name": name, "calls": len(times), "ms": sum(times)} for name, times in top],
     }
 
 
-# A gap between two kernels longer than this is the device waiting for the host (a step not yet launched, a copy
-# not yet issued); shorter ones are the device's own launch latency between kernels already queued (in a CUDA graph
-# about a microsecond each), which only fewer kernels remove.
-HOST_GAP_US = 20.0
-GAP_STEPS = 3
+REPLAYS = 20
 
 
-def steady_gaps(engine) -> dict:
-    """Where the GPU is idle in decode steps at steady state: GAP_STEPS consecutive engine steps profiled together,
-    the idle time between their kernels split into the device's launch gaps (< HOST_GAP_US) and its waits for the
-    host, per step. Under overlap scheduling the host's work hides behind the step in flight, and what is left of
-    "wall minus kernels" is mostly the launch gaps."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(GAP_STEPS):
-            engine.step()
-        torch.cuda.synchronize()
-    launch_gaps, host_waits = idle_gaps([(e.time_range.start, e.time_range.end) for e in cuda_kernels(prof)])
-    return {"launch_gap_ms": launch_gaps / GAP_STEPS / 1e3, "host_wait_ms": host_waits / GAP_STEPS / 1e3}
-
-
-def idle_gaps(spans: list[tuple[float, float]]) -> tuple[float, float]:
-    """The idle time between kernels (start, end) in µs, as (launch gaps, waits for the host): the gaps between the
-    end of everything before a kernel and its start, split at HOST_GAP_US."""
-    spans = sorted(spans)
-    launch_gaps = host_waits = 0.0
-    busy_until = spans[0][1]
-    for start, end in spans[1:]:
-        gap = start - busy_until
-        if gap > HOST_GAP_US:
-            host_waits += gap
-        elif gap > 0:
-            launch_gaps += gap
-        busy_until = max(busy_until, end)
-    return launch_gaps, host_waits
+def graph_replay_ms(engine, batch: int) -> float | None:
+    """The device's own time for a decode step of `batch` requests: its captured graph replayed REPLAYS times back
+    to back, timed with CUDA events (the kernels and the device's launch gaps between them, no host work). The
+    step's wall time minus this is the host's time the device waited for. None without a captured graph. The
+    replays advance the live requests' states, which the caller then aborts."""
+    runner = engine.graph_runner
+    sizes = [size for mode, size in (runner.graphs if runner is not None else {}) if mode is ForwardMode.DECODE]
+    bucket = min((size for size in sizes if size >= batch), default=None)
+    if bucket is None:
+        return None
+    graph = runner.graphs[ForwardMode.DECODE, bucket]
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    graph.replay()
+    start.record()
+    for _ in range(REPLAYS):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / REPLAYS
 
 
 def cuda_kernels(prof) -> list:
@@ -886,9 +879,10 @@ def print_table(report: dict) -> None:
             f"the host's and the gaps {row['wall_ms'] - row['kernel_ms']:.2f} ms); floor {row['floor_ms']:.3f} ms, "
             f"the kernels at {row['kernel_ms'] / row['floor_ms']:.1f}x it"
         )
-        if "host_wait_ms" in row:
-            print(f"  at steady state ({GAP_STEPS} steps together) the GPU idles {row['launch_gap_ms']:.3f} ms a step "
-                  f"between queued kernels (launch gaps) and {row['host_wait_ms']:.3f} ms waiting for the host")
+        if "graph_replay_ms" in row:
+            replay = row["graph_replay_ms"]
+            print(f"  its graph replayed back to back: {replay:.3f} ms a step (kernels and the device's launch gaps); "
+                  f"the device waited {max(row['wall_ms'] - replay, 0):.3f} ms for the host")
         # The kernels by name of the captured engines only: without graphs a4 runs the same ones.
         if row["system"] != "a4_no_graphs":
             for kernel in row.get("top_kernels", []):
