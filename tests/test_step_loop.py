@@ -164,3 +164,23 @@ def test_tensor_parallel_with_overlap_and_mixed_steps(tiny_qwen3_5):
     with build(tiny_qwen3_5, (True, True), tensor_parallel_size=2) as llm:
         outputs = llm.generate(PROMPTS, SamplingParams(max_new_tokens=MAX_NEW))
     assert [out.token_ids for out in outputs] == hf_greedy(tiny_qwen3_5, PROMPTS, MAX_NEW)
+
+
+def test_a_captured_first_prefill_is_not_mixed(tiny_qwen3_5):
+    """With the static runner (`cuda_graphs=True`, on the CPU its GPU path run eagerly), a prompt's first prefill
+    runs as one captured step: mixing the decodes into it would run them all eagerly, so it runs alone. The later
+    chunks of a long prompt run eagerly anyway and carry the decodes. Output = transformers either way."""
+    llm = LLM(tiny_qwen3_5, cuda_graphs=True, overlap_schedule=True, enable_mixed_chunk=True, max_prefill_tokens=16)
+    engine, stats = llm.engine, llm.engine.stats
+    params = SamplingParams(max_new_tokens=MAX_NEW + 6)
+    reqs = [engine.add_request(PROMPTS[3], params)]
+    engine.step()
+    reqs.append(engine.add_request(PROMPTS[1], params))  # 5 tokens: one captured first prefill
+    while not reqs[1].output_ids:
+        engine.step()
+    assert stats.mixed_steps == 0
+    reqs.append(engine.add_request(PROMPTS[0], params))  # 37 tokens: a captured first chunk, then mixed ones
+    engine.run(reqs)
+    assert stats.mixed_steps > 0
+    assert [req.output_ids for req in reqs] == hf_greedy(tiny_qwen3_5, [PROMPTS[3], PROMPTS[1], PROMPTS[0]], MAX_NEW + 6)
+    assert_clean(llm, tiny_qwen3_5)

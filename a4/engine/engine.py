@@ -102,6 +102,7 @@ class Engine:
             eos_token_ids=self.model_config.eos_token_ids,
             decode_tokens_per_step=runner.tokens_per_decode,
             enable_mixed_chunk=config.enable_mixed_chunk,
+            captured_prefill=runner.graph_runner.takes_prefill if runner.graph_runner is not None else None,
         )
         self.sampler = Sampler(runner.device)
         if config.speculative_tokens:

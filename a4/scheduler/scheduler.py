@@ -4,7 +4,8 @@ Policy (mini-sglang's): prefill first. If any waiting request can make progress,
 requests and chunks of long prompts, under the `max_prefill_tokens` budget); otherwise it is a decode step over all
 running requests. With `enable_mixed_chunk` a prefill step also carries every running request's next token (a
 "mixed" step, SGLang's mixed chunk), the prompts getting what the budget leaves, so that a long prompt no longer stops
-every decode; without it a step is never mixed. Requests join as soon as a slot and memory allow and leave as soon as
+every decode (except a prefill the model runner runs as a captured graph, which is cheaper alone); without it a
+step is never mixed. Requests join as soon as a slot and memory allow and leave as soon as
 they finish, so the batch changes from step to step (continuous batching). Admission and chunking rules are in
 prefill.py, the memory states in cache.py.
 
@@ -23,7 +24,7 @@ from __future__ import annotations
 
 import signal
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
 from a4.core import Batch, Req
@@ -64,7 +65,12 @@ class Scheduler:
         eos_token_ids: Sequence[int],
         decode_tokens_per_step: int = 1,
         enable_mixed_chunk: bool = False,
+        captured_prefill: Callable[[list[int], list[int]], bool] | None = None,
     ) -> None:
+        """`captured_prefill(prefix_lens, extend_lens)`: whether the model runner runs such a prefill step as a
+        captured graph (a4/engine/graph_runner.py's `takes_prefill`); a mixed step always runs eagerly, so such a
+        prefill is not mixed: alone it costs the decodes about one captured step, mixed it would cost them an eager
+        one."""
         if max_prefill_tokens <= 0:
             raise ValueError(f"max_prefill_tokens must be positive, got {max_prefill_tokens}")
         self.table_manager = table_manager
@@ -72,6 +78,7 @@ class Scheduler:
         self.max_prefill_tokens = max_prefill_tokens
         self.eos_token_ids = frozenset(eos_token_ids)
         self.enable_mixed_chunk = enable_mixed_chunk
+        self.captured_prefill = captured_prefill
         self.prefill_manager = PrefillManager(cache_manager, table_manager)
         self.decode_manager = DecodeManager(decode_tokens_per_step)
 
@@ -102,7 +109,7 @@ class Scheduler:
             batch = self.prefill_manager.schedule_next_batch(budget if mixed else self.max_prefill_tokens)
         if batch is None:
             batch = self.decode_manager.batch(decoding)
-        elif mixed:
+        elif mixed and not self._runs_captured(batch):
             batch = Batch(
                 reqs=batch.reqs + decoding,
                 phase="mixed",
@@ -115,6 +122,10 @@ class Scheduler:
         self.cache_manager.allocate(batch.reqs, batch.extend_lens)
         self._launch(batch)
         return batch
+
+    def _runs_captured(self, batch: Batch) -> bool:
+        prefix_lens = [req.computed_len for req in batch.reqs]
+        return self.captured_prefill is not None and self.captured_prefill(prefix_lens, batch.extend_lens)
 
     def _launch(self, batch: Batch) -> None:
         """Advance the batch's requests as if its forward had run: the next batch may be scheduled before this one
