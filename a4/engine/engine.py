@@ -40,7 +40,7 @@ from a4.engine.model_runner import ModelRunner
 from a4.engine.sampling import Sampler
 from a4.engine.speculative_worker import SpeculativeWorker
 from a4.engine.stats import EngineStats
-from a4.engine.validation import check_sampling_params, prompt_error
+from a4.engine.validation import check_sampling_params, prompt_error, sampling_error
 from a4.engine.worker import LaunchedStep, ModelWorker
 from a4.kvcache.radix_cache import NoPrefixCache
 from a4.models.registry import load_model
@@ -103,7 +103,7 @@ class Engine:
             decode_tokens_per_step=runner.tokens_per_decode,
             enable_mixed_chunk=config.enable_mixed_chunk,
         )
-        self.sampler = Sampler(runner.device)
+        self.sampler = Sampler(runner.device, self.model_config.vocab_size, self.model_config.eos_token_ids)
         if config.speculative_tokens:
             drafter = drafter or MTPDrafter(mtp, runner)
             keep = self.scheduler.keep_tokens
@@ -173,7 +173,7 @@ class Engine:
         with self.serving():
             req = Req(uid=self._next_uid, input_ids=list(input_ids), sampling_params=sampling_params)
             self._next_uid += 1
-            error = self._prompt_error(req.input_ids)
+            error = self._prompt_error(req.input_ids) or self._sampling_error(sampling_params)
             if error is not None:
                 req.finished, req.finish_reason, req.error = True, "error", error
                 return req
@@ -244,6 +244,9 @@ class Engine:
 
     def _prompt_error(self, input_ids: list[int]) -> str | None:
         return prompt_error(input_ids, self.model_config, self.max_context_len, self.memory_plan.num_tokens)
+
+    def _sampling_error(self, params: SamplingParams) -> str | None:
+        return sampling_error(params, self.model_config, bool(self.config.speculative_tokens))
 
     def _book(self, step: LaunchedStep) -> list[Req]:
         """Book a launched step with the scheduler: its tokens, its finishes."""

@@ -12,7 +12,8 @@ A step's life, in the order the engine calls:
 - `schedule_next_batch`: the batch, its KV locations allocated, and its requests advanced as launched: their fed
   lengths (`computed_len`), the prefill queue, prompts that sample joining the running requests;
 - `cache_prefill`: once its forward is launched, what its prompts wrote goes to the prefix cache;
-- `process_batch_output`: its sampled tokens booked, finishes found (EOS unless `ignore_eos`, `max_new_tokens`), a
+- `process_batch_output`: its sampled tokens booked, finishes found (EOS unless `ignore_eos`, a stop token id,
+  `max_new_tokens`), a
   finished request's KV handed to the prefix cache and its slot freed.
 With overlap scheduling (engine.py) the next step is scheduled before this one is booked: its tokens are still on the
 device (`Req.tokens_in_flight`), a request that will finish by length is not scheduled again, and a request whose
@@ -222,6 +223,8 @@ class Scheduler:
         """Why req finishes at `token`, its `num_output`-th output token (default: the tokens it has now)."""
         if token in self.eos_token_ids and not req.sampling_params.ignore_eos:
             return "eos"
+        if token in req.sampling_params.stop_token_ids:
+            return "stop"
         if (len(req.output_ids) if num_output is None else num_output) >= req.sampling_params.max_new_tokens:
             return "length"
         return None
