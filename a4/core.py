@@ -148,6 +148,9 @@ class Req:
     # aborted it: `error` says which); None while it runs.
     finish_reason: FinishReason | None = None
     error: str | None = None
+    # n > 1 (Engine.add_parallel_requests): the other samples of this request's prompt, admitted with it, that fork
+    # from it when its prefill is launched; empty once they have.
+    forks: list[Req] = field(default_factory=list, repr=False)
     # The scheduler the request was submitted to (a request is submitted once, to one engine).
     owner: object | None = field(default=None, repr=False, compare=False)
 
@@ -191,6 +194,18 @@ class Batch:
     sample: list[bool]
     # Tokens of each request in the pools before this step: where its new tokens start (set by the scheduler).
     prefix_lens: list[int] = field(default_factory=list)
+    # n > 1: (row of a prompt that ends in this step, a sample forking from it). A fork feeds nothing: it samples its
+    # first token from its prompt's logits, and is booked after the batch's requests.
+    forks: list[tuple[int, Req]] = field(default_factory=list)
+
+    @property
+    def booked_reqs(self) -> list[Req]:
+        """The requests this step books, in the order of its results: its own, then its forks."""
+        return self.reqs + [fork for _, fork in self.forks]
+
+    @property
+    def booked_sample(self) -> list[bool]:
+        return self.sample + [True] * len(self.forks)
 
     @property
     def decode_rows(self) -> list[bool]:

@@ -37,6 +37,7 @@ from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from a4.core import SamplingParams
 from a4.engine.validation import prompt_error
 from a4.server.auth import APIKeyMiddleware
 from a4.server.engine_loop import EngineLoop, RequestStream, Unavailable
@@ -217,10 +218,22 @@ def create_app(
             raise APIError(400, error, param=param, code=code)
         return prompt_ids
 
+    def checked_sampling_params(body: GenerationRequest, default_max_tokens: int) -> SamplingParams:
+        """The body's SamplingParams, checked as the engine will (a 400 naming the field)."""
+        max_new_tokens = body.max_new_tokens or default_max_tokens
+        if body.min_tokens > max_new_tokens:
+            raise APIError(400, f"min_tokens: must be at most max_tokens ({max_new_tokens}), got {body.min_tokens}",
+                           param="min_tokens")  # fmt: skip
+        params = body.sampling_params(default_max_tokens)
+        if (error := engine.sampling_error(params)) is not None:
+            field = error.split(":")[0]
+            raise APIError(400, error, param=field if field in GenerationRequest.model_fields else None)
+        return params
+
     async def respond(
         request: Request, body: GenerationRequest, prompts: list[list[int]], render: Render, default_max_tokens: int
     ) -> Response:
-        params = body.sampling_params(default_max_tokens)
+        params = checked_sampling_params(body, default_max_tokens)
         pieces: list[Pieces] = []
         streaming = False  # once the stream's generator has the requests, it closes them
         try:

@@ -190,15 +190,19 @@ class EngineLoop:
             req, detokenizer = running.req, running.detokenizer
             new_tokens = req.output_ids[running.num_seen :]
             running.num_seen = len(req.output_ids)
-            text = detokenizer.add(new_tokens)
+            # Finished "stop" by the engine: at one of its stop token ids (a stop string is found here, below). As in
+            # vLLM, that token's text is not output, but the token counts.
+            stop_token = int(req.finish_reason == "stop" and bool(new_tokens))
+            text = detokenizer.add(new_tokens[: len(new_tokens) - stop_token])
             if detokenizer.stopped and not req.finished:
                 self.engine.finish_req(req, "stop")
-            elif req.finished and req.finish_reason in ("eos", "length"):
+            elif req.finished and req.finish_reason in ("eos", "length", "stop"):
                 text += detokenizer.finish()
             if text or req.finished:
                 # A stop string found in the tokens of the step that finished the request anyway ends it too.
                 finish_reason = "stop" if detokenizer.stopped else req.finish_reason
-                output = RequestOutput(text, detokenizer.num_tokens, req.prefix_hit_len, finish_reason, req.error)
+                num_tokens = detokenizer.num_tokens + (stop_token and not detokenizer.stopped)
+                output = RequestOutput(text, num_tokens, req.prefix_hit_len, finish_reason, req.error)
                 stream.put(output)
             if req.finished:
                 del self._running[stream]
