@@ -301,12 +301,13 @@ class UsageInfo(BaseModel):
         )
 
     @staticmethod
-    def total(usages: list[UsageInfo]) -> UsageInfo:
-        """The usage of several requests together (a completion of several prompts)."""
+    def total(usages: list[UsageInfo], n: int = 1) -> UsageInfo:
+        """The usage of several requests together (a completion of several prompts, `n` samples each, in order):
+        each prompt counted once, as vLLM does (its samples share its prefill)."""
         return UsageInfo.of(
-            sum(u.prompt_tokens for u in usages),
+            sum(u.prompt_tokens for u in usages[::n]),
             sum(u.completion_tokens for u in usages),
-            sum(u.prompt_tokens_details.cached_tokens for u in usages),
+            sum(u.prompt_tokens_details.cached_tokens for u in usages[::n]),
         )
 
 
