@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import replace
 
 import pytest
 import torch
@@ -159,3 +160,28 @@ def test_token_ids_outside_the_vocabulary_fail_the_request_alone(tiny_qwen3_5):
     assert outputs[0].finish_reason == outputs[1].finish_reason == "error"
     assert "stop_token_ids" in outputs[0].error and "logit_bias" in outputs[1].error
     assert outputs[2].token_ids == hf_greedy(tiny_qwen3_5, [PROMPTS[0]], 16)[0]
+
+
+@pytest.mark.parametrize("overlap", OVERLAP, ids=lambda overlap: f"overlap{int(overlap)}")
+@pytest.mark.parametrize("page_size, prefix_cache", [(1, True), (4, True), (4, False)])
+def test_n_samples_prefill_once_and_share_the_prompt(tiny_qwen3_5, overlap, page_size, prefix_cache):
+    """n = 3 samples of a chunked prompt beside a plain request: greedy ones are transformers' output each, the
+    prompt is prefilled once, seeded ones are the single requests with seed + j (independent draws); the engine ends
+    idle (every page shared or copied by a fork given back, every state checkpoint right)."""
+    llm = build(tiny_qwen3_5, overlap, max_running_requests=5, max_prefill_tokens=16, page_size=page_size,
+                enable_prefix_cache=prefix_cache)  # fmt: skip
+    engine = llm.engine
+    expected = hf_greedy(tiny_qwen3_5, PROMPTS[1:], MAX_NEW)
+    samples = engine.add_parallel_requests(PROMPTS[1], SamplingParams(max_new_tokens=MAX_NEW, n=3))
+    plain = engine.add_request(PROMPTS[2], SamplingParams(max_new_tokens=MAX_NEW))
+    engine.run([*samples, plain])
+    assert [req.output_ids for req in [*samples, plain]] == [expected[0]] * 3 + [expected[1]]
+    assert engine.stats.prefill_tokens == len(PROMPTS[1]) + len(PROMPTS[2])
+    assert_clean(llm, tiny_qwen3_5)
+    sampled = SamplingParams(max_new_tokens=MAX_NEW, temperature=1.0, seed=11, n=3)
+    reqs = engine.add_parallel_requests(PROMPTS[2], sampled)
+    engine.run(reqs)
+    forks = [req.output_ids for req in reqs]
+    singles = [out.token_ids for out in llm.generate([PROMPTS[2]] * 3, [replace(sampled, seed=11 + j, n=1) for j in range(3)])]
+    assert forks == singles and len({tuple(tokens) for tokens in forks}) > 1
+    assert_clean(llm, tiny_qwen3_5)
