@@ -32,6 +32,23 @@ class SamplingParams:
     top_p: float = 1.0  # 1: no nucleus cut
     seed: int | None = None
     ignore_eos: bool = False
+    # vLLM's logits processors (sampling.py's LogitsProcessors applies them, to the rows that ask): penalties on the
+    # tokens already output (presence: once, frequency: per occurrence, both subtracted as OpenAI defines them) and
+    # on every token of the prompt and the output (repetition, as in CTRL: positive logits divided, negative ones
+    # multiplied); min_p drops the tokens less likely than min_p times the most likely one (sampled requests).
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # 1: none
+    min_p: float = 0.0  # 0: no cut
+    # No end-of-sequence nor stop token before this many output tokens (their logits are masked until then).
+    min_tokens: int = 0
+    # Tokens that finish the request as an end-of-sequence token does, with finish_reason "stop" (even with
+    # ignore_eos, as in vLLM).
+    stop_token_ids: tuple[int, ...] = ()
+    # Added to the logits of these token ids before sampling (greedy too); OpenAI's range, [-100, 100].
+    logit_bias: dict[int, float] | None = None
+    # Samples of the same prompt: its prefill runs once and they share its KV (Engine.add_parallel_requests).
+    n: int = 1
 
     def __post_init__(self) -> None:
         _check_int("max_new_tokens", self.max_new_tokens, low=1)
@@ -48,6 +65,39 @@ class SamplingParams:
             _check_int("seed", self.seed, low=0, high=2**63 - 1)
         if not isinstance(self.ignore_eos, bool):
             raise TypeError(f"SamplingParams.ignore_eos must be True or False, got {self.ignore_eos!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            _check_real(name, getattr(self, name))
+            if not -2 <= getattr(self, name) <= 2:
+                raise ValueError(f"SamplingParams.{name} must be in [-2, 2], got {getattr(self, name)!r}")
+        _check_real("repetition_penalty", self.repetition_penalty)
+        if not self.repetition_penalty > 0:
+            raise ValueError(f"SamplingParams.repetition_penalty must be > 0 (1: none), got {self.repetition_penalty!r}")
+        _check_real("min_p", self.min_p)
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"SamplingParams.min_p must be in [0, 1], got {self.min_p!r}")
+        _check_int("min_tokens", self.min_tokens, low=0, high=self.max_new_tokens)
+        if not isinstance(self.stop_token_ids, tuple):
+            raise TypeError(f"SamplingParams.stop_token_ids must be a tuple of token ids, got {self.stop_token_ids!r}")
+        for token in self.stop_token_ids:
+            _check_int("stop_token_ids", token, low=0)
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise TypeError(f"SamplingParams.logit_bias must be a dict {{token id: bias}}, got {self.logit_bias!r}")
+            for token, bias in self.logit_bias.items():
+                _check_int("logit_bias", token, low=0)
+                _check_real("logit_bias", bias)
+                if not -100 <= bias <= 100:
+                    raise ValueError(f"SamplingParams.logit_bias of token {token} must be in [-100, 100], got {bias!r}")
+        _check_int("n", self.n, low=1)
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether the sampler changes this request's logits before it picks a token (LogitsProcessors)."""
+        return bool(self.penalized or self.logit_bias or self.min_tokens)
+
+    @property
+    def penalized(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1)
 
 
 def _check_int(name: str, value: object, *, low: int, high: int | None = None) -> None:
@@ -98,6 +148,9 @@ class Req:
     # aborted it: `error` says which); None while it runs.
     finish_reason: FinishReason | None = None
     error: str | None = None
+    # n > 1 (Engine.add_parallel_requests): the other samples of this request's prompt, admitted with it, that fork
+    # from it when its prefill is launched; empty once they have.
+    forks: list[Req] = field(default_factory=list, repr=False)
     # The scheduler the request was submitted to (a request is submitted once, to one engine).
     owner: object | None = field(default=None, repr=False, compare=False)
 
@@ -141,6 +194,18 @@ class Batch:
     sample: list[bool]
     # Tokens of each request in the pools before this step: where its new tokens start (set by the scheduler).
     prefix_lens: list[int] = field(default_factory=list)
+    # n > 1: (row of a prompt that ends in this step, a sample forking from it). A fork feeds nothing: it samples its
+    # first token from its prompt's logits, and is booked after the batch's requests.
+    forks: list[tuple[int, Req]] = field(default_factory=list)
+
+    @property
+    def booked_reqs(self) -> list[Req]:
+        """The requests this step books, in the order of its results: its own, then its forks."""
+        return self.reqs + [fork for _, fork in self.forks]
+
+    @property
+    def booked_sample(self) -> list[bool]:
+        return self.sample + [True] * len(self.forks)
 
     @property
     def decode_rows(self) -> list[bool]:

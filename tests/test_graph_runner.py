@@ -78,7 +78,7 @@ def assert_padding_is_nobodys(llm: LLM) -> None:
     assert engine.table_manager.available_size == llm.memory_plan.max_running_requests
     padding_page = int(engine.table_manager.req_to_token[padding_slot, 0]) // engine.config.page_size
     allocator = engine.cache_manager.allocator
-    assert not allocator._is_free[padding_page]
+    assert allocator._owners[padding_page] > 0
     cache = engine.cache_manager.prefix_cache
     assert cache.protected_size == 0
     assert allocator.num_free_pages + cache.evictable_size // engine.config.page_size == llm.memory_plan.num_pages

@@ -176,7 +176,7 @@ BAD_COMPLETIONS = [
     ("max_tokens negative", {"prompt": "x", "max_tokens": -3}, "max_tokens"),
     ("infinite temperature", b'{"prompt": "x", "temperature": 1e999}', "temperature"),
     ("NaN temperature", b'{"prompt": "x", "temperature": NaN}', "temperature"),
-    ("n > 1", {"prompt": "x", "n": 2}, "n"),
+    ("n beyond the running requests", {"prompt": "x", "n": 5}, "n"),
     ("unknown field", {"prompt": "x", "max_token": 8}, "max_token"),
     ("stream_options without stream", {"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
     ("empty prompt", {"prompt": []}, "prompt"),

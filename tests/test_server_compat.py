@@ -35,9 +35,7 @@ def test_content_parts_developer_role_user_and_zero_penalties(server, chat_model
 REFUSED = [
     ("chat", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      "messages.0.content", "only 'text' parts"),
-    ("chat", {"presence_penalty": 0.5}, "presence_penalty", "not supported"),
-    ("completions", {"frequency_penalty": -1}, "frequency_penalty", "not supported"),
-    ("completions", {"n": 3}, "n", "not supported"),
+    ("completions", {"n": 2, "best_of": 3}, "best_of", "not supported"),
     ("completions", {"logprobs": 2}, "logprobs", "not supported"),
     ("completions", {"echo": True}, "echo", "not supported"),
     ("chat", {"logprobs": True}, "logprobs", "not supported"),

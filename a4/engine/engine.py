@@ -40,7 +40,7 @@ from a4.engine.model_runner import ModelRunner
 from a4.engine.sampling import Sampler
 from a4.engine.speculative_worker import SpeculativeWorker
 from a4.engine.stats import EngineStats
-from a4.engine.validation import check_sampling_params, prompt_error
+from a4.engine.validation import check_sampling_params, prompt_error, sampling_error
 from a4.engine.worker import LaunchedStep, ModelWorker
 from a4.kvcache.radix_cache import NoPrefixCache
 from a4.models.registry import load_model
@@ -93,7 +93,7 @@ class Engine:
         lookahead = runner.tokens_per_decode - 1
         prefix_cache = create_prefix_cache(config, self.model_config, runner.state_pool)
         self.cache_manager = CacheManager(
-            runner.allocator, prefix_cache, runner.table_manager, runner.state_pool, lookahead
+            runner.allocator, prefix_cache, runner.table_manager, runner.state_pool, lookahead, runner.kv_pool
         )
         self.scheduler = Scheduler(
             runner.table_manager,
@@ -104,7 +104,7 @@ class Engine:
             enable_mixed_chunk=config.enable_mixed_chunk,
             captured_prefill=runner.graph_runner.takes_prefill if runner.graph_runner is not None else None,
         )
-        self.sampler = Sampler(runner.device)
+        self.sampler = Sampler(runner.device, self.model_config.vocab_size, self.model_config.eos_token_ids)
         if config.speculative_tokens:
             drafter = drafter or MTPDrafter(mtp, runner)
             keep = self.scheduler.keep_tokens
@@ -171,21 +171,47 @@ class Engine:
         `sampling_params` of another type is a TypeError (a caller's mistake, not a request's): nothing is queued.
         """
         check_sampling_params(sampling_params)
+        if sampling_params.n != 1:
+            raise ValueError(f"n = {sampling_params.n} samples are n requests: use add_parallel_requests")
         with self.serving():
-            req = Req(uid=self._next_uid, input_ids=list(input_ids), sampling_params=sampling_params)
-            self._next_uid += 1
-            error = self._prompt_error(req.input_ids)
-            if error is not None:
-                req.finished, req.finish_reason, req.error = True, "error", error
-                return req
-            # Output stops at the context limit, like SGLang's clipping of max_tokens, so the reservation at
-            # admission (prompt + max_new_tokens) can always be met by an otherwise idle engine.
-            room = self.max_context_len - len(input_ids)
-            if sampling_params.max_new_tokens > room:
-                req.sampling_params = replace(sampling_params, max_new_tokens=room)
-            self.sampler.add_req(req)
-            self.scheduler.add_req(req)
+            req = self._new_request(input_ids, sampling_params)
+            if not req.finished:
+                self.sampler.add_req(req)
+                self.scheduler.add_req(req)
             return req
+
+    def add_parallel_requests(self, input_ids: list[int], sampling_params: SamplingParams) -> list[Req]:
+        """Queue the `sampling_params.n` samples of one prompt (vLLM's parallel sampling), one request each. The
+        prompt is prefilled once, by the first; the others fork from it when its last prefill step is launched:
+        they draw their first tokens from its logits, share its KV pages, and get a copy of its Gated DeltaNet state
+        each (`CacheManager.fork`). With a seed, sample j draws with seed + j, as in vLLM. Aborting the first
+        before it has forked aborts them all."""
+        check_sampling_params(sampling_params)
+        with self.serving():
+            seed = sampling_params.seed
+            reqs = [self._new_request(input_ids, sampling_params if seed is None else
+                                      replace(sampling_params, seed=(seed + j) % 2**63))
+                    for j in range(sampling_params.n)]  # fmt: skip
+            if not reqs[0].finished:  # the same prompt and parameters: all are refused, or none
+                for req in reqs:
+                    self.sampler.add_req(req)
+                self.scheduler.add_req(reqs[0], reqs[1:])
+            return reqs
+
+    def _new_request(self, input_ids: list[int], sampling_params: SamplingParams) -> Req:
+        """A request of this engine, finished at once with its error if it can never run."""
+        req = Req(uid=self._next_uid, input_ids=list(input_ids), sampling_params=sampling_params)
+        self._next_uid += 1
+        error = self._prompt_error(req.input_ids) or self.sampling_error(sampling_params)
+        if error is not None:
+            req.finished, req.finish_reason, req.error = True, "error", error
+            return req
+        # Output stops at the context limit, like SGLang's clipping of max_tokens, so the reservation at
+        # admission (prompt + max_new_tokens) can always be met by an otherwise idle engine.
+        room = self.max_context_len - len(input_ids)
+        if sampling_params.max_new_tokens > room:
+            req.sampling_params = replace(sampling_params, max_new_tokens=room)
+        return req
 
     @property
     def prefix_cache_enabled(self) -> bool:
@@ -226,7 +252,7 @@ class Engine:
                 booked = [step for step in (in_flight, launched) if step is not None and step is not keep]
                 finished = [req for step in booked for req in self._book(step)]
             except BaseException as e:
-                for req in [*(in_flight.batch.reqs if in_flight else []), *(batch.reqs if batch else [])]:
+                for req in [*(in_flight.batch.booked_reqs if in_flight else []), *(batch.booked_reqs if batch else [])]:
                     error = f"the step running this request raised {type(e).__name__}: {e}"
                     self.scheduler.abort_req(req, "abort", error)
                     self.sampler.remove_req(req)
@@ -245,6 +271,10 @@ class Engine:
 
     def _prompt_error(self, input_ids: list[int]) -> str | None:
         return prompt_error(input_ids, self.model_config, self.max_context_len, self.memory_plan.num_tokens)
+
+    def sampling_error(self, params: SamplingParams) -> str | None:
+        return sampling_error(params, self.model_config, bool(self.config.speculative_tokens), self.tp is not None,
+                              self.memory_plan.max_running_requests)  # fmt: skip
 
     def _book(self, step: LaunchedStep) -> list[Req]:
         """Book a launched step with the scheduler: its tokens, its finishes."""

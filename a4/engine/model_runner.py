@@ -169,7 +169,7 @@ class ModelRunner:
         Prompt tokens come from the host; a decoding request feeds the token it sampled last, read from
         `last_tokens` on the device (under overlap scheduling the host does not have it yet). With overlap
         scheduling (`masks_finished`), a decoding request whose last token is an end-of-sequence token it may stop
-        at finished in the step before, booked only after this one was launched: it runs on the padding slot's
+        at (or one of its stop token ids) finished in the step before, booked only after this one was launched: it runs on the padding slot's
         state, so that its own stays the state after its tokens (the prefix cache saves it); this step's token is
         dropped."""
         decode_rows = batch.decode_rows
@@ -180,15 +180,25 @@ class ModelRunner:
         num_prompts = decode_rows.index(True)
         prompts = zip(batch.reqs[:num_prompts], batch.prefix_lens, batch.extend_lens)
         prompt_ids = [t for req, p, n in prompts for t in req.input_ids[p : p + n]]
-        may_stop = [not req.sampling_params.ignore_eos for req in batch.reqs[num_prompts:]]
-        # One copy to the device: every slot, the prompts' tokens, which decoding requests may stop at an EOS.
-        packed = to_device([req.slot for req in batch.reqs] + prompt_ids + may_stop, self.device)
-        slots, prompt_ids, stoppable = packed.split([len(batch.reqs), len(prompt_ids), len(may_stop)])
+        decoding = batch.reqs[num_prompts:]
+        may_stop = [not req.sampling_params.ignore_eos for req in decoding]
+        # A request's own stop token ids, as (decoding row, token) pairs.
+        stop_ids = [(row, token) for row, req in enumerate(decoding) for token in req.sampling_params.stop_token_ids]
+        # One copy to the device: every slot, the prompts' tokens, which decoding requests may stop at an EOS, and
+        # their stop token ids.
+        flat_stop_ids = [value for pair in stop_ids for value in pair]
+        packed = to_device([req.slot for req in batch.reqs] + prompt_ids + may_stop + flat_stop_ids, self.device)
+        slots, prompt_ids, stoppable, stop_pairs = packed.split(
+            [len(batch.reqs), len(prompt_ids), len(may_stop), len(flat_stop_ids)])
         last_tokens = self.last_tokens[slots[num_prompts:]]
         input_ids = torch.cat([prompt_ids, last_tokens])
-        if not (self.masks_finished and any(may_stop)):
+        if not (self.masks_finished and (any(may_stop) or stop_ids)):
             return input_ids, None
         stops = torch.isin(last_tokens, self.eos_token_ids) & stoppable.bool()
+        if stop_ids:
+            rows, tokens = stop_pairs.view(-1, 2).unbind(dim=1)
+            hits = torch.zeros_like(last_tokens).index_add_(0, rows, (last_tokens[rows] == tokens).long())
+            stops |= hits > 0
         return input_ids, torch.cat([slots[:num_prompts], torch.where(stops, self.padding_slot, slots[num_prompts:])])
 
     def keep_last_tokens(self, reqs: list[Req], tokens: torch.Tensor) -> None:

@@ -16,18 +16,27 @@ Sampling never waits for the device: `sample` returns the tokens as a device ten
 there) and starts one non-blocking copy of them, with each row's finiteness, to the host; `SampledTokens.result()`
 waits for that copy alone. So the engine can launch the next step before it books this one (overlap scheduling).
 
+Before a token is picked, the rows that ask have their logits changed by vLLM's logits processors (`LogitsProcessors`:
+logit_bias, min_tokens, then the presence / frequency / repetition penalties), batched over those rows only: a batch
+in which no request asks pays nothing. The penalties need the tokens each request has output so far, including the
+token of the step still in flight under overlap scheduling, which the host does not have yet: so their counts live
+on the device, one row per penalized request, and each step adds its sampled tokens to them there (SGLang's
+penalizers keep their state the same way). min_p is a cut of the sampled distribution, after the temperature.
+
 A speculative engine (speculative_worker.py) verifies a sampled request's drafts against the very distribution this
 sampler draws from (`sampling_distribution`), with random numbers from the request's own generator (`generator`).
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 
-from a4.core import Req, SamplingParams
+from a4.core import Req, SamplingParams, to_device
 
 
 class Sample(NamedTuple):
@@ -55,17 +64,22 @@ class SampledTokens:
 
 
 class Sampler:
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, vocab_size: int = 0, eos_token_ids: Sequence[int] = ()) -> None:
+        """`vocab_size` and `eos_token_ids`: what the logits processors need (a request that asks for none of them
+        needs neither)."""
         self.device = device
         self._generators: dict[int, torch.Generator] = {}
+        self.logits_processors = LogitsProcessors(device, vocab_size, eos_token_ids)
 
     def add_req(self, req: Req) -> None:
         seed = req.sampling_params.seed
         if seed is not None:
             self._generators[req.uid] = torch.Generator(device=self.device).manual_seed(seed)
+        self.logits_processors.add_req(req)
 
     def remove_req(self, req: Req) -> None:
         self._generators.pop(req.uid, None)
+        self.logits_processors.remove_req(req)
 
     def generator(self, req: Req) -> torch.Generator | None:
         """The generator req draws from: its own when it has a seed, else None (torch's default one)."""
@@ -75,9 +89,16 @@ class Sampler:
         """One token per row of logits [len(reqs), vocab] (float32), drawn on the device without waiting for it."""
         finite = _rows_finite(logits)
         tokens = logits.argmax(dim=-1)
+        # The rows that ask are processed apart: the logits themselves stay the model's.
+        rows, processed = self.logits_processors.apply(logits, reqs)
+        if rows is not None:
+            tokens[rows.device_index] = processed.argmax(dim=-1)
         for i, req in enumerate(reqs):
             if req.sampling_params.temperature > 0:
-                tokens[i] = self._draw(logits[i], req, finite[i])
+                row = processed[rows.position[i]] if rows is not None and i in rows.position else logits[i]
+                tokens[i] = self._draw(row, req, finite[i])
+        if rows is not None:
+            self.logits_processors.cumulate_output_tokens(rows, tokens)
         packed = torch.stack([tokens, finite.long()])
         if self.device.type != "cuda":
             return SampledTokens(tokens, logits, packed, None)
@@ -102,6 +123,9 @@ def sampling_distribution(logits: torch.Tensor, params: SamplingParams) -> torch
     # at that size every gap overflows to -inf either way.
     temperature = max(params.temperature, torch.finfo(logits.dtype).tiny)
     scaled = (logits - logits.max(dim=-1, keepdim=True).values) / temperature
+    if params.min_p > 0:
+        # p / p_max = exp(scaled), the largest scaled logit being 0: drop what is below min_p of the most likely.
+        scaled = scaled.masked_fill(scaled < math.log(params.min_p), float("-inf"))
     return torch.softmax(_filter_logits(scaled, params), dim=-1)
 
 
@@ -146,3 +170,132 @@ def _filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     return logits
+
+
+@dataclass
+class ProcessedRows:
+    """The rows of a step's batch whose logits are processed: their positions in the batch (on the host, and
+    on the device) and their rows of the penalty state (-1: not penalized)."""
+
+    position: dict[int, int]  # batch row -> row of the processed logits
+    device_index: torch.Tensor  # [P] the batch rows, in order
+    reqs: list[Req]
+
+
+class LogitsProcessors:
+    """vLLM's logits processors of a request (logit_bias, min_tokens, presence / frequency / repetition penalties),
+    applied on the device to the rows of a batch that ask, together.
+
+    A penalized request has a row of the penalty state for as long as it runs: its output token counts (updated on
+    the device from the tokens sampled, `cumulate_output_tokens`), the set of its prompt's tokens and its three
+    penalties. The rows are allocated as requests come and the state grows when they run out, so that memory is
+    spent only on the requests that ask (a row is 5 bytes per vocabulary entry)."""
+
+    def __init__(self, device: torch.device, vocab_size: int, eos_token_ids: Sequence[int]) -> None:
+        self.device, self.vocab_size = device, vocab_size
+        self.eos_token_ids = tuple(eos_token_ids)
+        self._free_rows: list[int] = []
+        self._rows: dict[int, int] = {}  # request uid -> row of the penalty state
+        self._output_counts = torch.zeros(0, vocab_size, dtype=torch.int32, device=device)
+        self._prompt_mask = torch.zeros(0, vocab_size, dtype=torch.bool, device=device)
+        self._penalties = torch.zeros(0, 3, dtype=torch.float32, device=device)  # presence, frequency, repetition
+        # Per request that asks: the ids and values added to its logits, and the ids masked until min_tokens.
+        self._bias: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._min_tokens_ids: dict[int, torch.Tensor] = {}
+
+    def add_req(self, req: Req) -> None:
+        params = req.sampling_params
+        if params.logit_bias:
+            ids, values = zip(*params.logit_bias.items())
+            self._bias[req.uid] = (to_device(list(ids), self.device),
+                                   torch.tensor(values, dtype=torch.float32).to(self.device))  # fmt: skip
+        if params.min_tokens:
+            eos = () if params.ignore_eos else self.eos_token_ids
+            self._min_tokens_ids[req.uid] = to_device(sorted({*eos, *params.stop_token_ids}), self.device)
+        if params.penalized:
+            row = self._allocate_row()
+            self._rows[req.uid] = row
+            self._output_counts[row] = 0
+            self._prompt_mask[row] = False
+            if params.repetition_penalty != 1:
+                self._prompt_mask[row, to_device(req.input_ids, self.device)] = True
+            penalties = [params.presence_penalty, params.frequency_penalty, params.repetition_penalty]
+            self._penalties[row] = torch.tensor(penalties, dtype=torch.float32)
+
+    def remove_req(self, req: Req) -> None:
+        self._bias.pop(req.uid, None)
+        self._min_tokens_ids.pop(req.uid, None)
+        row = self._rows.pop(req.uid, None)
+        if row is not None:
+            self._free_rows.append(row)
+
+    def apply(self, logits: torch.Tensor, reqs: list[Req]) -> tuple[ProcessedRows | None, torch.Tensor | None]:
+        """The rows of `logits` [len(reqs), vocab] that ask and their processed logits [P, vocab]; (None, None) when
+        none asks. Each request is sampling its `num_sampled`-th output token (this step's is counted already)."""
+        asking = [i for i, req in enumerate(reqs) if req.sampling_params.processes_logits]
+        if not asking:
+            return None, None
+        asking_reqs = [reqs[i] for i in asking]
+        state_rows = [self._rows.get(req.uid, -1) for req in asking_reqs]
+        packed = to_device(asking + state_rows, self.device)
+        rows = ProcessedRows({i: p for p, i in enumerate(asking)}, packed[: len(asking)], asking_reqs)
+        processed = logits[rows.device_index]
+        self._add_bias(processed, asking_reqs)
+        self._mask_until_min_tokens(processed, asking_reqs)
+        if any(row >= 0 for row in state_rows):
+            penalized = [p for p, row in enumerate(state_rows) if row >= 0]
+            index = to_device(penalized + [row for row in state_rows if row >= 0], self.device)
+            positions, state = index.split(len(penalized))
+            processed[positions] = self._penalize(processed[positions], state)
+        return rows, processed
+
+    def cumulate_output_tokens(self, rows: ProcessedRows, tokens: torch.Tensor) -> None:
+        """Count the tokens just sampled (tokens [S] on the device, for the whole batch) in the penalized requests'
+        rows, on the device: the next step's penalties see them before the host does."""
+        penalized = [(p, self._rows[req.uid]) for p, req in enumerate(rows.reqs) if req.uid in self._rows]
+        if not penalized:
+            return
+        positions, state_rows = to_device([p for p, _ in penalized] + [r for _, r in penalized], self.device).split(
+            len(penalized))
+        sampled = tokens[rows.device_index[positions]]
+        self._output_counts.index_put_((state_rows, sampled), torch.ones_like(sampled, dtype=torch.int32),
+                                       accumulate=True)  # fmt: skip
+
+    def _add_bias(self, logits: torch.Tensor, reqs: list[Req]) -> None:
+        biased = [(p, self._bias[req.uid]) for p, req in enumerate(reqs) if req.uid in self._bias]
+        if biased:
+            rows = torch.cat([torch.full_like(ids, p) for p, (ids, _) in biased])
+            ids = torch.cat([ids for _, (ids, _) in biased])
+            logits.index_put_((rows, ids), torch.cat([values for _, (_, values) in biased]), accumulate=True)
+
+    def _mask_until_min_tokens(self, logits: torch.Tensor, reqs: list[Req]) -> None:
+        # num_sampled counts this step's token: the request has num_sampled - 1 output tokens before it.
+        masked = [(p, self._min_tokens_ids[req.uid]) for p, req in enumerate(reqs)
+                  if req.uid in self._min_tokens_ids and req.num_sampled - 1 < req.sampling_params.min_tokens]  # fmt: skip
+        if masked:
+            rows = torch.cat([torch.full_like(ids, p) for p, ids in masked])
+            logits[rows, torch.cat([ids for _, ids in masked])] = float("-inf")
+
+    def _penalize(self, logits: torch.Tensor, state_rows: torch.Tensor) -> torch.Tensor:
+        """vLLM's `apply_penalties` on logits [P, vocab] of the penalized requests in state_rows [P]."""
+        counts = self._output_counts[state_rows]
+        output_mask = counts > 0
+        presence, frequency, repetition = self._penalties[state_rows].unbind(dim=-1)
+        seen = output_mask | self._prompt_mask[state_rows]
+        factor = torch.where(seen, repetition[:, None], 1.0)
+        logits = torch.where(logits > 0, logits / factor, logits * factor)
+        return logits - frequency[:, None] * counts - presence[:, None] * output_mask
+
+    def _allocate_row(self) -> int:
+        if not self._free_rows:
+            old = self._output_counts.shape[0]
+            grown = max(2 * old, 4)
+            self._output_counts = _grown(self._output_counts, grown)
+            self._prompt_mask = _grown(self._prompt_mask, grown)
+            self._penalties = _grown(self._penalties, grown)
+            self._free_rows = list(range(grown - 1, old - 1, -1))
+        return self._free_rows.pop()
+
+
+def _grown(state: torch.Tensor, rows: int) -> torch.Tensor:
+    return torch.cat([state, state.new_zeros(rows - state.shape[0], *state.shape[1:])])

@@ -1,4 +1,5 @@
-"""What the engine checks of a request before it queues it: its SamplingParams' type and its prompt.
+"""What the engine checks of a request before it queues it: its SamplingParams' type, what of them depends on the
+engine (token ids in the vocabulary, what a speculative engine cannot do), and its prompt.
 
 A caller's mistake (SamplingParams of another type) is an exception; a request that cannot run (an empty prompt, a
 token outside the vocabulary, a prompt too long for the context) finishes at once with finish_reason "error" and
@@ -42,4 +43,27 @@ def prompt_error(input_ids: list[int], model_config: ModelConfig, max_context_le
             f"(max_position_embeddings {model_config.max_position_embeddings}, KV pool {kv_tokens} tokens, less "
             "the positions of a step's drafts) and at least one must be left to generate"
         )
+    return None
+
+
+def sampling_error(params: SamplingParams, model_config: ModelConfig, speculative: bool, tensor_parallel: bool,
+                   max_running_requests: int) -> str | None:  # fmt: skip
+    """Why these SamplingParams cannot run on this engine, or None (their own values checked themselves)."""
+    vocab_size = model_config.vocab_size
+    for name, tokens in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias or {})):
+        outside = [token for token in tokens if token >= vocab_size]
+        if outside:
+            return f"{name}: token ids {outside} are outside the vocabulary [0, {vocab_size})"
+    if params.n > max_running_requests:
+        return f"n: {params.n} samples run together, more than the engine runs at once ({max_running_requests})"
+    if tensor_parallel and params.n > 1:
+        return "n > 1 is not supported with tensor parallelism (a fork's copies are not mirrored to the other ranks)"
+    if speculative:
+        # A verify pass scores k drafts at once: the processors' state after each draft, and a fork of the drafter's
+        # own KV, are not built.
+        if params.processes_logits:
+            return ("penalties, logit_bias and min_tokens are not supported with speculative decoding "
+                    "(speculative_tokens > 0)")  # fmt: skip
+        if params.n > 1:
+            return "n > 1 is not supported with speculative decoding (speculative_tokens > 0)"
     return None

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from a4.core import Batch
 from a4.engine.model_runner import ModelRunner
 from a4.engine.sampling import SampledTokens, Sampler
@@ -36,7 +38,7 @@ class LaunchedStep:
         if self.verified is not None:
             return self.verified
         samples = iter(self.samples.result() if self.samples is not None else [])
-        next_tokens, errors = zip(*(next(samples) if sampled else (None, None) for sampled in self.batch.sample))
+        next_tokens, errors = zip(*(next(samples) if sampled else (None, None) for sampled in self.batch.booked_sample))
         return list(next_tokens), list(errors)
 
 
@@ -50,6 +52,11 @@ class ModelWorker:
         sampled_reqs = [req for req, sampled in zip(batch.reqs, batch.sample) if sampled]
         if not sampled_reqs:
             return LaunchedStep(batch, None)
+        if batch.forks:
+            # Each fork draws its first token from its prompt's logits: their rows again, after the batch's own.
+            logits_row = {row: i for i, row in enumerate(r for r, sampled in enumerate(batch.sample) if sampled)}
+            logits = torch.cat([logits, logits[[logits_row[row] for row, _ in batch.forks]]])
+            sampled_reqs += [fork for _, fork in batch.forks]
         samples = self.sampler.sample(logits, sampled_reqs)
         self.runner.keep_last_tokens(sampled_reqs, samples.tokens)
         return LaunchedStep(batch, samples)

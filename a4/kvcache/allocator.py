@@ -4,6 +4,9 @@ The KV pool is cut into pages of `page_size` consecutive locations; page p holds
 p * page_size + page_size - 1. Memory is handed out a whole page at a time, so a request's tokens fill its pages in
 order and the prefix cache can share pages between requests. The allocator only counts: it never touches the pool.
 
+A page can be held by several owners at once (`share`): the n samples of one prompt hold its pages together, each
+freeing them once; a page returns to the free list when its last owner frees it.
+
 The bookkeeping stays on the host (a python list) whatever the device: it is a handful of integers per step, and
 keeping it off the accelerator means no device round trip to decide whether a request fits.
 """
@@ -25,8 +28,9 @@ class PageAllocator:
         self.page_size = page_size
         # Popped from the end: the most recently freed page is reused first.
         self._free_pages: list[int] = list(range(num_pages - 1, -1, -1))
-        # Catches a page freed twice, which would later hand the same memory to two requests.
-        self._is_free = [True] * num_pages
+        # Owners of each page (0: free). Catches a page freed more often than it was held, which would later hand the
+        # same memory to two requests.
+        self._owners = [0] * num_pages
 
     @property
     def num_free_pages(self) -> int:
@@ -38,7 +42,7 @@ class PageAllocator:
             raise OutOfPagesError(f"asked for {num_pages} pages, only {len(self._free_pages)} are free")
         pages = [self._free_pages.pop() for _ in range(num_pages)]
         for page in pages:
-            self._is_free[page] = False
+            self._owners[page] = 1
         return torch.tensor(pages, dtype=torch.int64)
 
     def free(self, pages: torch.Tensor) -> None:
@@ -51,12 +55,21 @@ class PageAllocator:
             raise ValueError(f"pages {outside} are not in the pool of {self.num_pages} pages")
         listed = set()
         for page in pages:
-            if self._is_free[page] or page in listed:
+            if self._owners[page] == 0 or page in listed:
                 raise RuntimeError(f"page {page} freed twice")
             listed.add(page)
         for page in pages:
-            self._is_free[page] = True
-            self._free_pages.append(page)
+            self._owners[page] -= 1
+            if self._owners[page] == 0:
+                self._free_pages.append(page)
+
+    def share(self, pages: torch.Tensor) -> None:
+        """One more owner for each of these pages, all in use: each owner frees them once."""
+        pages = pages.tolist()
+        if any(not 0 <= page < self.num_pages or self._owners[page] == 0 for page in pages):
+            raise RuntimeError(f"only pages in use can be shared, got {pages}")
+        for page in pages:
+            self._owners[page] += 1
 
     def pages_to_locations(self, pages: torch.Tensor) -> torch.Tensor:
         """All locations of the given pages, page after page: [len(pages) * page_size]."""

@@ -89,6 +89,11 @@ class KVPool:
         k_buf.index_copy_(0, loc, k.to(k_buf.dtype))
         v_buf.index_copy_(0, loc, v.to(v_buf.dtype))
 
+    def copy_locations(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy the keys and values of every layer at locations src [T] to locations dst [T] (a sample of n > 1
+        taking its own copy of the prompt's partial last page)."""
+        self._buffer[:, :, dst] = self._buffer[:, :, src]
+
     def get_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's K and V buffers, each [num_locations, num_kv_heads, head_dim] (views: writes go to the pool)."""
         if not 0 <= layer < self.num_layers:

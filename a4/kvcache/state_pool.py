@@ -162,6 +162,14 @@ class StatePool:
         self._check_compatible(checkpoint)
         raise NotImplementedError("Exercise state-restore: copy a checkpoint into a slot (notebooks/05_state_pool.ipynb)")
 
+    def copy(self, src_slot: int, dst_slots: Sequence[int]) -> None:
+        """Copy one slot's whole state (every GDN layer, both kinds) into other slots: the n samples of one prompt
+        each continue from the state after it (Scheduler's fork). One copy per destination slot."""
+        self._check_slots([src_slot, *dst_slots])
+        index = torch.as_tensor(list(dst_slots), dtype=torch.int64, device=self.device)
+        self._conv[:, index] = self._conv[:, src_slot : src_slot + 1]
+        self._recurrent[:, index] = self._recurrent[:, src_slot : src_slot + 1]
+
     def allocate_verify_states(self, num_tokens: int) -> None:
         """Buffers for the states a verify pass of `num_tokens` positions keeps, for every slot (speculative
         decoding: the memory plan counts them, `MemoryLedger.verify_bytes_per_slot`)."""

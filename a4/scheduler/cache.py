@@ -28,6 +28,7 @@ from a4.kvcache.radix_cache import BasePrefixCache, CacheHandle, MatchResult
 from a4.scheduler.table import TableManager
 
 if TYPE_CHECKING:
+    from a4.kvcache.kv_pool import KVPool
     from a4.kvcache.state_pool import StatePool
 
 
@@ -43,6 +44,7 @@ class CacheManager:
         table_manager: TableManager,
         state_pool: StatePool | None = None,
         lookahead: int = 0,
+        kv_pool: KVPool | None = None,
     ) -> None:
         """`state_pool`: a hybrid model's states, given to each request with its slot. `lookahead`: positions a
         decode step may write beyond the last one a request keeps (speculative decoding's drafts), reserved too."""
@@ -54,6 +56,7 @@ class CacheManager:
         self.prefix_cache = prefix_cache
         self.table_manager = table_manager
         self.state_pool = state_pool
+        self.kv_pool = kv_pool  # what a fork's copy of a partial page is copied in
         self.lookahead = lookahead
         self.page_size = allocator.page_size
         # Pages promised to the admitted requests and not allocated to them yet: each request's worst case, counted
@@ -101,6 +104,37 @@ class CacheManager:
         """
         max_stored = len(req.input_ids) + req.sampling_params.max_new_tokens - 1 + self.lookahead
         return pages_for(max_stored, self.page_size) - pages_for(computed_len, self.page_size)
+
+    def pages_to_fork(self, fork: Req) -> int:
+        """Pages a sample of n > 1 needs of its own: its prompt's whole pages are its parent's, shared."""
+        return self.pages_to_finish(fork, len(fork.input_ids) // self.page_size * self.page_size)
+
+    def fork(self, parent: Req, forks: Sequence[Req]) -> None:
+        """Give each fork its parent's prompt, once the parent's last prefill step is launched and cached: the
+        prompt's whole pages shared (those in the prefix cache under the parent's lock, as a prefix hit is; the
+        parent's own ones with one more owner each, `PageAllocator.share`), a copy of its partial last page (which
+        each sample's own tokens fill), and a copy of its state (every GDN layer's conv and recurrent state). Issued
+        after the parent's forward, before any step that advances the parent's slot."""
+        prompt_len = len(parent.input_ids)
+        handle = parent.cache_handle
+        whole = prompt_len // self.page_size * self.page_size
+        row = self.table_manager.read(parent.slot, 0, prompt_len)
+        own_pages = self.allocator.locations_to_pages(row[handle.cached_len : whole].cpu())
+        for fork in forks:
+            self.lock(handle)
+            self.unlock(fork.cache_handle)
+            fork.cache_handle = handle
+            self.table_manager.write(fork.slot, 0, row[:whole])
+            self.allocator.share(own_pages)
+            if whole < prompt_len:
+                locations = self.allocator.pages_to_locations(self._allocate_pages(1))
+                self.kv_pool.copy_locations(row[whole:], locations[: prompt_len - whole].to(row.device))
+                self.table_manager.write(fork.slot, whole, locations)
+                fork.reserved_pages -= 1
+                self.reserved_pages -= 1
+            fork.kv_allocated_len = prompt_len
+        if self.state_pool is not None:
+            self.state_pool.copy(parent.slot, [fork.slot for fork in forks])
 
     def allocate(self, reqs: Sequence[Req], extend_lens: Sequence[int]) -> None:
         """Give the positions that this step writes (computed_len .. computed_len + extend_len - 1) KV locations.

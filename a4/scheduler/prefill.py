@@ -3,7 +3,8 @@
 `PrefillManager` keeps the queue of requests whose prompt is not fully prefilled; `PrefillAdder` fills one step
 from it under a token budget (`max_prefill_tokens`), as in mini-sglang:
 
-- Requests are taken in arrival order. The first one that cannot be admitted (no free slot, not enough memory)
+- Requests are taken in arrival order. The n samples of one prompt (n > 1) are admitted together, with their
+  worst cases, and only the first is prefilled: the others fork from it (scheduler.py). The first one that cannot be admitted (no free slot, not enough memory)
   stops the step: letting later, smaller requests overtake it could starve it forever.
 - A request whose remaining prompt exceeds the budget left gets only a chunk. It keeps its slot and its pages, is
   not sampled (its last prompt token has not been seen yet), and goes back to the front of the queue so that it
@@ -56,12 +57,14 @@ class PrefillAdder:
 
     def _admit(self, req: Req) -> bool:
         """Give req a slot and its cached prefix if its worst case fits; otherwise leave everything as it was."""
-        if self.table_manager.available_size == 0:
+        if self.table_manager.available_size < 1 + len(req.forks):
             return False
         match = self.cache_manager.match_req(req)
         # Lock before counting: the matched pages may be evictable now, and must not count as available to req.
         self.cache_manager.lock(match.handle)
         needed = self.cache_manager.pages_to_finish(req, match.handle.cached_len)
+        fork_pages = [self.cache_manager.pages_to_fork(fork) for fork in req.forks]
+        needed += sum(fork_pages)
         if needed + self.cache_manager.reserved_pages > self.cache_manager.available_pages:
             self.cache_manager.unlock(match.handle)
             return False
@@ -78,7 +81,14 @@ class PrefillAdder:
             req.slot, req.computed_len, req.prefix_hit_len, req.kv_allocated_len = None, 0, 0, 0
             req.cache_handle = None
             raise
-        self.cache_manager.reserve(req, needed)
+        self.cache_manager.reserve(req, needed - sum(fork_pages))
+        for fork, pages in zip(req.forks, fork_pages):
+            # Held until the fork (Scheduler.cache_prefill): a slot, and the prefix hit's lock, as its parent's.
+            fork.slot = self.table_manager.allocate()
+            fork.computed_len = fork.prefix_hit_len = fork.kv_allocated_len = match.handle.cached_len
+            fork.cache_handle = match.handle
+            self.cache_manager.lock(match.handle)
+            self.cache_manager.reserve(fork, pages)
         return True
 
     def batch(self) -> Batch:

@@ -12,8 +12,11 @@ prefill.py, the memory states in cache.py.
 A step's life, in the order the engine calls:
 - `schedule_next_batch`: the batch, its KV locations allocated, and its requests advanced as launched: their fed
   lengths (`computed_len`), the prefill queue, prompts that sample joining the running requests;
-- `cache_prefill`: once its forward is launched, what its prompts wrote goes to the prefix cache;
-- `process_batch_output`: its sampled tokens booked, finishes found (EOS unless `ignore_eos`, `max_new_tokens`), a
+- `cache_prefill`: once its forward is launched, what its prompts wrote goes to the prefix cache, and the other
+  samples of a prompt that ends (n > 1) fork from it: they share its KV pages and copy its state
+  (`CacheManager.fork`), having sampled their first tokens from its logits in the same step (`Batch.forks`);
+- `process_batch_output`: its sampled tokens booked, finishes found (EOS unless `ignore_eos`, a stop token id,
+  `max_new_tokens`), a
   finished request's KV handed to the prefix cache and its slot freed.
 With overlap scheduling (engine.py) the next step is scheduled before this one is booked: its tokens are still on the
 device (`Req.tokens_in_flight`), a request that will finish by length is not scheduled again, and a request whose
@@ -82,13 +85,17 @@ class Scheduler:
         self.prefill_manager = PrefillManager(cache_manager, table_manager)
         self.decode_manager = DecodeManager(decode_tokens_per_step)
 
-    def add_req(self, req: Req) -> None:
-        """Queue a validated request (see Engine.add_request) for prefill; a request already seen is refused."""
-        if req.owner is not None or req.finished or req.admitted or req.computed_len or req.output_ids:
-            where = "to another engine" if req.owner not in (None, self) else "already"
-            state = "finished" if req.finished else f"submitted {where}"
-            raise ValueError(f"request {req.uid} is {state}: a Req is submitted once; add a new request instead")
-        req.owner = self
+    def add_req(self, req: Req, forks: Sequence[Req] = ()) -> None:
+        """Queue a validated request (see Engine.add_request) for prefill; a request already seen is refused.
+        `forks`: the other samples of its prompt (n > 1), which fork from it when its prefill is launched."""
+        for one in (req, *forks):
+            if one.owner is not None or one.finished or one.admitted or one.computed_len or one.output_ids:
+                where = "to another engine" if one.owner not in (None, self) else "already"
+                state = "finished" if one.finished else f"submitted {where}"
+                raise ValueError(f"request {one.uid} is {state}: a Req is submitted once; add a new request instead")
+        for one in (req, *forks):
+            one.owner = self
+        req.forks = list(forks)
         self.prefill_manager.add_req(req)
 
     @property
@@ -119,6 +126,8 @@ class Scheduler:
         if batch is None:
             return None
         batch.prefix_lens = [req.computed_len for req in batch.reqs]
+        batch.forks = [(row, fork) for row, (req, sampled, decode) in enumerate(zip(batch.reqs, batch.sample, batch.decode_rows))
+                       if sampled and not decode for fork in req.forks if not fork.finished]  # fmt: skip
         self.cache_manager.allocate(batch.reqs, batch.extend_lens)
         self._launch(batch)
         return batch
@@ -138,6 +147,11 @@ class Scheduler:
         for req, sampled, decode in zip(batch.reqs, batch.sample, batch.decode_rows):
             if sampled and not decode:
                 self.decode_manager.add_req(req)
+                req.forks = []
+        for row, fork in batch.forks:
+            fork.computed_len = len(fork.input_ids)
+            fork.tokens_in_flight += 1
+            self.decode_manager.add_req(fork)
 
     def cache_prefill(self, batch: Batch) -> None:
         """The batch's forward is launched: share what its prompts wrote at once, KV and (hybrid) the state after
@@ -149,6 +163,8 @@ class Scheduler:
             ):
                 if not decode and not req.finished:
                     self.cache_manager.cache_req(req, prefix_len + extend_len)
+            for row in sorted({row for row, _ in batch.forks}):
+                self.cache_manager.fork(batch.reqs[row], [fork for r, fork in batch.forks if r == row])
 
     def process_batch_output(
         self,
@@ -166,11 +182,11 @@ class Scheduler:
         under overlap scheduling) drops its token. Returns the requests that finished.
         """
         with sigint_deferred():
-            return self._book(batch, next_tokens, errors or [None] * len(batch.reqs))
+            return self._book(batch, next_tokens, errors or [None] * len(batch.booked_reqs))
 
     def _book(self, batch: Batch, next_tokens: Sequence, errors: Sequence[str | None]) -> list[Req]:
         finished = []
-        for req, sampled, tokens, error in zip(batch.reqs, batch.sample, next_tokens, errors):
+        for req, sampled, tokens, error in zip(batch.booked_reqs, batch.booked_sample, next_tokens, errors):
             if not sampled:
                 continue  # a chunk: what it wrote was shared at launch (`cache_prefill`)
             req.tokens_in_flight -= 1
@@ -212,6 +228,10 @@ class Scheduler:
         """
         if req.finished:
             return
+        # Samples that have not forked from it yet cannot run without it.
+        for fork in req.forks:
+            self.abort_req(fork, reason, error)
+        req.forks = []
         self.prefill_manager.remove_req(req)
         self.decode_manager.remove_req(req)
         req.finish_reason, req.error = reason, error
@@ -233,6 +253,8 @@ class Scheduler:
         """Why req finishes at `token`, its `num_output`-th output token (default: the tokens it has now)."""
         if token in self.eos_token_ids and not req.sampling_params.ignore_eos:
             return "eos"
+        if token in req.sampling_params.stop_token_ids:
+            return "stop"
         if (len(req.output_ids) if num_output is None else num_output) >= req.sampling_params.max_new_tokens:
             return "length"
         return None

@@ -8,8 +8,8 @@
     GET  /metrics              Prometheus text (metrics.py)
 
 A generation request is tokenized in a worker thread (so that the event loop keeps serving meanwhile) and checked
-here (the engine's own `prompt_error`: empty, outside the vocabulary, longer than the context); each prompt is one
-engine request, submitted to the engine loop, whose text comes back as it becomes final (the loop detokenizes and
+here (the engine's own `prompt_error`: empty, outside the vocabulary, longer than the context); each sample of each
+prompt (`n`) is one engine request (the samples of a prompt share its prefill), submitted to the engine loop, whose text comes back as it becomes final (the loop detokenizes and
 applies the stop strings). The response waits for the first piece of every prompt, so that a request the engine
 refuses is still a plain 400; then it is one JSON body, or with `stream: true` server-sent events ending in
 `data: [DONE]`. A client that disconnects, while waiting or while streaming, aborts its requests.
@@ -37,6 +37,7 @@ from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from a4.core import SamplingParams
 from a4.engine.validation import prompt_error
 from a4.server.auth import APIKeyMiddleware
 from a4.server.engine_loop import EngineLoop, RequestStream, Unavailable
@@ -178,9 +179,9 @@ def create_app(
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         check_model(body.model)
-        if len(body.prompts) > engine_loop.capacity:
-            raise APIError(400, f"prompt: {len(body.prompts)} prompts in one request, more than the server holds at "
-                                f"once ({engine_loop.capacity}): send fewer", param="prompt")  # fmt: skip
+        if len(body.prompts) * body.n > engine_loop.capacity:
+            raise APIError(400, f"prompt: {len(body.prompts)} prompts of {body.n} samples in one request, more than the "
+                                f"server holds at once ({engine_loop.capacity}): send fewer", param="prompt")  # fmt: skip
         prompts = [await run_in_threadpool(checked_prompt, encoder.text if isinstance(p, str) else list, p)
                    for p in body.prompts]  # fmt: skip
         render = CompletionRender(f"cmpl-{uuid.uuid4().hex}", model_name)
@@ -194,7 +195,7 @@ def create_app(
             raise APIError(400, f"model {model_name!r} has no chat template: use /v1/completions", param="messages")
         messages = [message.template_message() for message in body.messages]
         prompt = await run_in_threadpool(checked_prompt, encoder.chat, messages, param="messages")
-        render = ChatRender(f"chatcmpl-{uuid.uuid4().hex}", model_name)
+        render = ChatRender(f"chatcmpl-{uuid.uuid4().hex}", model_name, body.n)
         # OpenAI's default for chat: up to the context's end (the engine stops there).
         return await respond(request, body, [prompt], render, default_max_tokens=engine.max_context_len)
 
@@ -217,23 +218,35 @@ def create_app(
             raise APIError(400, error, param=param, code=code)
         return prompt_ids
 
+    def checked_sampling_params(body: GenerationRequest, default_max_tokens: int) -> SamplingParams:
+        """The body's SamplingParams, checked as the engine will (a 400 naming the field)."""
+        max_new_tokens = body.max_new_tokens or default_max_tokens
+        if body.min_tokens > max_new_tokens:
+            raise APIError(400, f"min_tokens: must be at most max_tokens ({max_new_tokens}), got {body.min_tokens}",
+                           param="min_tokens")  # fmt: skip
+        params = body.sampling_params(default_max_tokens)
+        if (error := engine.sampling_error(params)) is not None:
+            field = error.split(":")[0]
+            raise APIError(400, error, param=field if field in GenerationRequest.model_fields else None)
+        return params
+
     async def respond(
         request: Request, body: GenerationRequest, prompts: list[list[int]], render: Render, default_max_tokens: int
     ) -> Response:
-        params = body.sampling_params(default_max_tokens)
+        params = checked_sampling_params(body, default_max_tokens)
         pieces: list[Pieces] = []
         streaming = False  # once the stream's generator has the requests, it closes them
         try:
             for prompt_ids in prompts:
-                stream = engine_loop.submit(prompt_ids, params, body.stop_strings)
-                pieces.append(Pieces(engine_loop, stream, len(prompt_ids)))
+                for stream in engine_loop.submit(prompt_ids, params, body.stop_strings):
+                    pieces.append(Pieces(engine_loop, stream, len(prompt_ids)))
             firsts = await until_disconnected(request, all_of(p.next() for p in pieces))
             if not body.stream:
                 rests = await until_disconnected(request, all_of(map(Pieces.rest, pieces, firsts)))
                 lasts = [rest[-1] if rest else first for first, rest in zip(firsts, rests)]
                 texts = ["".join(piece.text for piece in [first, *rest]) for first, rest in zip(firsts, rests)]
                 choices = [(text, last.finish_reason) for text, last in zip(texts, lasts)]
-                usage = UsageInfo.total([last.usage for last in lasts])
+                usage = UsageInfo.total([last.usage for last in lasts], body.n)
                 return JSONResponse(render.response(choices, usage).model_dump())
         except ClientGone:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
@@ -241,7 +254,7 @@ def create_app(
             return error.response()
         else:
             streaming = True
-            events = server_sent_events(render, firsts, pieces, body.include_usage, body.continuous_usage)
+            events = server_sent_events(render, firsts, pieces, body.include_usage, body.continuous_usage, body.n)
             return StreamingResponse(events, media_type="text/event-stream")
         finally:
             if not streaming:
@@ -302,7 +315,7 @@ async def merged(firsts: list[Piece], pieces: list[Pieces]) -> AsyncIterator[tup
 
 
 async def server_sent_events(
-    render: Render, firsts: list[Piece], pieces: list[Pieces], include_usage: bool, continuous_usage: bool
+    render: Render, firsts: list[Piece], pieces: list[Pieces], include_usage: bool, continuous_usage: bool, n: int
 ):
     """`data: <chunk>` events, an error event if the engine fails a request midway, then `data: [DONE]`. With
     `continuous_usage`, every chunk carries its request's usage so far (vLLM's `continuous_usage_stats`)."""
@@ -324,7 +337,7 @@ async def server_sent_events(
             lasts[index] = piece
             yield event(render.chunk(index, piece.text, piece.finish_reason, usage(piece)))
         if include_usage:
-            yield event(render.usage_chunk(UsageInfo.total([last.usage for last in lasts])))
+            yield event(render.usage_chunk(UsageInfo.total([last.usage for last in lasts], n)))
     except APIError as error:
         yield event(ErrorResponse(error=error.info))
     finally:

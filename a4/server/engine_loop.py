@@ -118,22 +118,23 @@ class EngineLoop:
 
     # ------------------------------------------------------------------------------------ called by the handlers
 
-    def submit(self, input_ids: list[int], params: SamplingParams, stop: Sequence[str] = ()) -> RequestStream:
+    def submit(self, input_ids: list[int], params: SamplingParams, stop: Sequence[str] = ()) -> list[RequestStream]:
         """Queue a request (from a coroutine on the server's event loop), whose text ends before the first of the
-        `stop` strings; Unavailable past the bound, or once stopping."""
-        stream = RequestStream(asyncio.get_running_loop())
+        `stop` strings: one engine request and stream per sample (`params.n`, Engine.add_parallel_requests);
+        Unavailable past the bound, or once stopping."""
+        streams = [RequestStream(asyncio.get_running_loop()) for _ in range(params.n)]
         # Under the lock with `stop`: a request queued before it is aborted by the loop's last turn, none after it.
         with self._lock:
             if self._stopping.is_set():
                 raise Unavailable("the server is shutting down")
-            if self._num_unfinished >= self.capacity:
+            if self._num_unfinished + params.n > self.capacity:
                 raise Unavailable(
                     f"the server holds {self._num_unfinished} unfinished requests, its limit "
                     f"(max_running_requests + max_queued_requests = {self.capacity}): retry later"
                 )
-            self._num_unfinished += 1
-            self._inbox.put(("add", stream, input_ids, params, tuple(stop)))
-        return stream
+            self._num_unfinished += params.n
+            self._inbox.put(("add", streams, input_ids, params, tuple(stop)))
+        return streams
 
     def abort(self, stream: RequestStream) -> None:
         """Stop the request of `stream` (a finished one is left alone); nothing more is put on its stream."""
@@ -172,12 +173,16 @@ class EngineLoop:
         except queue.Empty:
             pass
 
-    def _apply(self, kind: str, stream: RequestStream, *args) -> None:
+    def _apply(self, kind: str, stream: RequestStream | list[RequestStream], *args) -> None:
         if kind == "add":
             input_ids, params, stop = args
-            req = self.engine.add_request(input_ids, params)
-            self._running[stream] = _Running(req, IncrementalDetokenizer(self.tokenizer, stop))
-            if req.finished:  # refused at once (its error says why)
+            if params.n == 1:
+                reqs = [self.engine.add_request(input_ids, params)]
+            else:
+                reqs = self.engine.add_parallel_requests(input_ids, params)
+            for one, req in zip(stream, reqs):
+                self._running[one] = _Running(req, IncrementalDetokenizer(self.tokenizer, stop))
+            if reqs[0].finished:  # refused at once (its error says why)
                 self._publish()
         elif (running := self._running.pop(stream, None)) is not None:
             self.engine.abort_req(running.req, "aborted by the server (the client is gone)")
@@ -190,15 +195,19 @@ class EngineLoop:
             req, detokenizer = running.req, running.detokenizer
             new_tokens = req.output_ids[running.num_seen :]
             running.num_seen = len(req.output_ids)
-            text = detokenizer.add(new_tokens)
+            # Finished "stop" by the engine: at one of its stop token ids (a stop string is found here, below). As in
+            # vLLM, that token's text is not output, but the token counts.
+            stop_token = int(req.finish_reason == "stop" and bool(new_tokens))
+            text = detokenizer.add(new_tokens[: len(new_tokens) - stop_token])
             if detokenizer.stopped and not req.finished:
                 self.engine.finish_req(req, "stop")
-            elif req.finished and req.finish_reason in ("eos", "length"):
+            elif req.finished and req.finish_reason in ("eos", "length", "stop"):
                 text += detokenizer.finish()
             if text or req.finished:
                 # A stop string found in the tokens of the step that finished the request anyway ends it too.
                 finish_reason = "stop" if detokenizer.stopped else req.finish_reason
-                output = RequestOutput(text, detokenizer.num_tokens, req.prefix_hit_len, finish_reason, req.error)
+                num_tokens = detokenizer.num_tokens + (stop_token and not detokenizer.stopped)
+                output = RequestOutput(text, num_tokens, req.prefix_hit_len, finish_reason, req.error)
                 stream.put(output)
             if req.finished:
                 del self._running[stream]

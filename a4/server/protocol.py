@@ -4,9 +4,10 @@ responses.
 Requests are strict: a field of the wrong type (`"max_tokens": "10"`), out of range (`max_tokens` <= 0, a
 non-finite `temperature`, a `top_p` that float32 rounds to 0), unknown (a typo such as `max_token`) or text that is
 not valid Unicode (a lone surrogate, `"\\ud800"`) is refused with a 400 naming it, never coerced or ignored; so are
-the fields a4 does not implement yet (`n` > 1, `logprobs`, `echo`, non-zero penalties, `response_format` other than
-text), each saying so. `ignore_eos`, `top_k` and `stream_options.continuous_usage_stats` are the extensions SGLang
-and vLLM accept too. A completion's `prompt` may be several prompts (texts, or lists of token ids), one choice each.
+the fields a4 does not implement yet (`best_of` other than n, `logprobs`, `echo`, `response_format` other than
+text), each saying so. `ignore_eos`, `top_k`, `repetition_penalty`, `min_p`, `min_tokens`, `stop_token_ids` and
+`stream_options.continuous_usage_stats` are the extensions SGLang and vLLM accept too. A completion's `prompt` may be
+several prompts (texts, or lists of token ids), `n` choices each.
 """
 
 from __future__ import annotations
@@ -60,9 +61,17 @@ class GenerationRequest(StrictModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # extension: generate max_tokens whatever the model says (benchmarks)
-    n: int = 1
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    n: int = Field(1, ge=1)
+    best_of: int | None = None  # refused beyond n, as vLLM V1 does
+    presence_penalty: float = Field(0.0, ge=-2, le=2, allow_inf_nan=False)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2, allow_inf_nan=False)
+    # vLLM's and SGLang's extensions (SamplingParams says what each does).
+    repetition_penalty: float = Field(1.0, gt=0, allow_inf_nan=False)
+    min_p: float = Field(0.0, ge=0, le=1, allow_inf_nan=False)
+    min_tokens: int = Field(0, ge=0)
+    stop_token_ids: list[int] | None = None
+    # Token ids (as strings, JSON's keys) to a bias added to their logits, clamped to [-100, 100] as vLLM does.
+    logit_bias: dict[str, float] | None = None
     user: str | None = None  # an end user's id, for the provider's abuse monitoring: accepted, unused
 
     @field_validator("top_p")
@@ -96,19 +105,29 @@ class GenerationRequest(StrictModel):
             raise ValueError("stream_options is only allowed with stream: true")
         return options
 
-    @field_validator("n")
+    @field_validator("best_of")
     @classmethod
-    def _one_choice(cls, n: int) -> int:
-        if n != 1:
-            raise _not_supported(f": one choice per prompt (n = 1), got {n}")
-        return n
+    def _no_best_of(cls, best_of: int | None, info: ValidationInfo) -> int | None:
+        if best_of is not None and best_of != info.data.get("n"):
+            raise _not_supported(f" (vLLM V1 refuses it too): n samples are all returned; got best_of {best_of}")
+        return best_of
 
-    @field_validator("presence_penalty", "frequency_penalty")
+    @field_validator("stop_token_ids")
     @classmethod
-    def _no_penalty(cls, penalty: float) -> float:
-        if penalty != 0:
-            raise _not_supported(f": only 0, got {penalty}")
-        return penalty
+    def _token_ids(cls, token_ids: list[int] | None) -> list[int] | None:
+        if token_ids is not None and any(token < 0 for token in token_ids):
+            raise ValueError(f"token ids are >= 0, got {token_ids}")
+        return token_ids
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, logit_bias: dict[str, float] | None) -> dict[str, float] | None:
+        for token, bias in (logit_bias or {}).items():
+            if not token.isdigit():
+                raise ValueError(f"keys are token ids (integers, as strings), got {token!r}")
+            if bias != bias or abs(bias) == float("inf"):
+                raise ValueError(f"the bias of token {token} must be finite, got {bias}")
+        return logit_bias
 
     @property
     def stop_strings(self) -> list[str]:
@@ -134,6 +153,15 @@ class GenerationRequest(StrictModel):
             top_p=self.top_p,
             seed=self.seed,
             ignore_eos=self.ignore_eos,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            min_p=self.min_p,
+            min_tokens=self.min_tokens,
+            stop_token_ids=tuple(self.stop_token_ids or ()),
+            logit_bias={int(token): min(100.0, max(-100.0, bias)) for token, bias in self.logit_bias.items()}
+            if self.logit_bias else None,
+            n=self.n,
         )
 
 
@@ -273,12 +301,13 @@ class UsageInfo(BaseModel):
         )
 
     @staticmethod
-    def total(usages: list[UsageInfo]) -> UsageInfo:
-        """The usage of several requests together (a completion of several prompts)."""
+    def total(usages: list[UsageInfo], n: int = 1) -> UsageInfo:
+        """The usage of several requests together (a completion of several prompts, `n` samples each, in order):
+        each prompt counted once, as vLLM does (its samples share its prefill)."""
         return UsageInfo.of(
-            sum(u.prompt_tokens for u in usages),
+            sum(u.prompt_tokens for u in usages[::n]),
             sum(u.completion_tokens for u in usages),
-            sum(u.prompt_tokens_details.cached_tokens for u in usages),
+            sum(u.prompt_tokens_details.cached_tokens for u in usages[::n]),
         )
 
 

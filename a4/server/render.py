@@ -18,7 +18,7 @@ from a4.server.protocol import (
 
 
 class CompletionRender:
-    """/v1/completions' bodies: one choice per prompt, each with its index."""
+    """/v1/completions' bodies: `n` choices per prompt, each with its index (prompt i's sample j: i * n + j)."""
 
     def __init__(self, request_id: str, model: str) -> None:
         self.request_id, self.model = request_id, model
@@ -40,27 +40,31 @@ class CompletionRender:
 
 
 class ChatRender:
-    """/v1/chat/completions' bodies (one choice); a stream opens with the assistant's role, as OpenAI's does."""
+    """/v1/chat/completions' bodies (`n` choices); a stream opens with the assistant's role for each, as OpenAI's
+    does."""
 
-    def __init__(self, request_id: str, model: str) -> None:
-        self.request_id, self.model = request_id, model
+    def __init__(self, request_id: str, model: str, n: int = 1) -> None:
+        self.request_id, self.model, self.n = request_id, model, n
 
     def response(self, choices: list[tuple[str, str]], usage: UsageInfo) -> ChatCompletionResponse:
-        [(text, finish_reason)] = choices
-        choice = ChatChoice(message=AssistantMessage(content=text), finish_reason=finish_reason)
-        return ChatCompletionResponse(id=self.request_id, model=self.model, choices=[choice], usage=usage)
+        bodies = [ChatChoice(index=i, message=AssistantMessage(content=text), finish_reason=finish_reason)
+                  for i, (text, finish_reason) in enumerate(choices)]  # fmt: skip
+        return ChatCompletionResponse(id=self.request_id, model=self.model, choices=bodies, usage=usage)
 
     def opening_chunk(self, usage: UsageInfo | None) -> ChatCompletionChunk:
-        return self._chunk(DeltaMessage(role="assistant", content=""), None, usage)
+        """The assistant's role, for every choice."""
+        choices = [ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content="")) for i in range(self.n)]
+        return ChatCompletionChunk(id=self.request_id, model=self.model, choices=choices, usage=usage)
 
     def chunk(self, index: int, text: str, finish_reason: str | None, usage: UsageInfo | None) -> ChatCompletionChunk:
-        return self._chunk(DeltaMessage(content=text or None), finish_reason, usage)
+        return self._chunk(DeltaMessage(content=text or None), finish_reason, usage, index)
 
     def usage_chunk(self, usage: UsageInfo) -> ChatCompletionChunk:
         return ChatCompletionChunk(id=self.request_id, model=self.model, choices=[], usage=usage)
 
-    def _chunk(self, delta: DeltaMessage, finish_reason: str | None, usage: UsageInfo | None) -> ChatCompletionChunk:
-        choice = ChatChunkChoice(delta=delta, finish_reason=finish_reason)
+    def _chunk(self, delta: DeltaMessage, finish_reason: str | None, usage: UsageInfo | None,
+               index: int = 0) -> ChatCompletionChunk:  # fmt: skip
+        choice = ChatChunkChoice(index=index, delta=delta, finish_reason=finish_reason)
         return ChatCompletionChunk(id=self.request_id, model=self.model, choices=[choice], usage=usage)
 
 
