@@ -26,7 +26,9 @@ EXTENSIONS_FROM = "09"
 class Check:
     id: str
     notebook: str  # the notebook's stem, e.g. "01_config"
-    function: str  # what its cell calls, "<module>.<function>" of a4/course/checks/, e.g. "config.check_rotary_dims"
+    # The check function its cell calls, "<module>.<function>" of a4/course/checks/, e.g. "config.check_rotary_dims"
+    # (the cell may call helpers besides, never another check's function).
+    function: str
     required: bool = False  # one of the assignment's checks (config parsing, weight loading, decoding, prefix cache)
 
     @property
