@@ -23,7 +23,7 @@ from a4.__main__ import benchmark_names
 from a4.checkpoints import preset_config
 from a4.course.checks import report
 from a4.course.checks import state_pool as state_checks
-from a4.course.checks.config import QWEN3_5_PRESETS
+from a4.course.checks.common import QWEN3_5_PRESETS
 from a4.course.exercises import all_exercises
 from a4.course.notebooks import notebook_paths, read_notebook
 from a4.layers.rope import RotaryEmbedding

@@ -17,13 +17,13 @@ import pytest
 import torch
 
 from a4.checkpoints import preset_config, tiny_checkpoint
-from a4.course.checks import CheckFailed
+from a4.course.checks import CheckFailed, common
 from a4.course.checks import config as checks
 from a4.models.config import ConfigError, load_model_config, parse_config
 from a4.models.qwen3_5_config import qwen3_5_layer_types, qwen3_5_rotary_dim
 
 
-@pytest.mark.parametrize(("arch", "preset"), checks.QWEN3_5_PRESETS, ids=[p for _, p in checks.QWEN3_5_PRESETS])
+@pytest.mark.parametrize(("arch", "preset"), common.QWEN3_5_PRESETS, ids=[p for _, p in common.QWEN3_5_PRESETS])
 def test_real_presets_match_transformers(arch: str, preset: str) -> None:
     raw = preset_config(arch, preset)
     assert checks.field_problems(parse_config(raw), checks.transformers_fields(raw), preset) == []

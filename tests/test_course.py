@@ -4,6 +4,7 @@ exercises. The handout and grading are tested end to end in test_handout.py, tes
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import subprocess
@@ -15,6 +16,8 @@ import nbformat
 import pytest
 
 from a4._overlay import REPO_ROOT
+from a4.course import verify
+from a4.course.__main__ import list_checks
 from a4.course.demo import explore, needs_exercise
 from a4.course.exercises import (
     MarkerError,
@@ -29,6 +32,7 @@ from a4.course.exercises import (
     sync,
     unwritten_exercise,
 )
+from a4.course.checks import config as config_checks
 from a4.course.checks._earlier import EARLIER_CHECKS
 from a4.course.checks.registry import BY_ID, CHECKS, checks_of
 from a4.course.grade import REQUIRED_CHECKS
@@ -207,8 +211,7 @@ def test_the_table_of_checks_is_what_the_notebooks_grade_and_the_engine_checks_n
         "config-parsing", "weight-loading", "decode-single", "decode-varlen", "decode-chunked", "decode-slot-reuse",
         "prefix-cache-refuse", "prefix-cache-checkpoint",
     }  # fmt: skip
-    for earlier in EARLIER_CHECKS:
-        assert BY_ID[earlier.check_id].notebook.startswith(earlier.notebook), earlier
+    assert set(EARLIER_CHECKS) <= set(BY_ID)
     # A notebook whose check cells differ from the table's is named.
     notebook = read_notebook(REPO_ROOT / "notebooks/01_config.ipynb")
     notebook.cells = [cell for cell in notebook.cells if "check:config-moe" not in cell.metadata.get("tags", [])]
@@ -216,6 +219,36 @@ def test_the_table_of_checks_is_what_the_notebooks_grade_and_the_engine_checks_n
     assert [p for p in lint(REPO_ROOT, [tmp_path / "01_config.ipynb"]) if "table of checks" in p] == [
         f"01_config.ipynb: its check cells {checks_of('01_config')[:3] + checks_of('01_config')[4:]} are not those of "
         f"the table of checks (a4/course/checks/registry.py), in its order: {checks_of('01_config')}"
+    ]
+
+
+def test_a_check_cell_calls_the_function_the_table_gives_its_id(tmp_path: Path, monkeypatch) -> None:
+    assert BY_ID["config-rope"].load() is config_checks.check_rotary_dims
+    # The cell of config-rope calls config-layer-patterns' function (a copied cell whose tag was changed).
+    notebook = read_notebook(REPO_ROOT / "notebooks/01_config.ipynb")
+    [cell] = [cell for cell in notebook.cells if "check:config-rope" in cell.metadata.get("tags", [])]
+    cell.source = cell.source.replace("checks.check_rotary_dims(", "checks.check_layer_patterns(")
+    nbformat.write(notebook, tmp_path / "01_config.ipynb")
+    assert lint(REPO_ROOT, [tmp_path / "01_config.ipynb"]) == [
+        "01_config.ipynb: check cell config-rope does not call config.check_rotary_dims, its function in the table "
+        "of checks (a4/course/checks/registry.py)",
+        "01_config.ipynb: check cell config-rope calls config.check_layer_patterns, another check's function",
+    ]
+    # A table that names a function its module lacks (renamed in a4/course/checks/config.py, say).
+    renamed = [dataclasses.replace(c, function="config.check_rope") if c.id == "config-rope" else c for c in CHECKS]
+    monkeypatch.setattr(verify, "CHECKS", tuple(renamed))
+    assert [p for p in lint(REPO_ROOT, [REPO_ROOT / "notebooks/01_config.ipynb"]) if "registry.py: " in p] == [
+        "a4/course/checks/registry.py: config-rope: no function config.check_rope "
+        "(module 'a4.course.checks.config' has no attribute 'check_rope')"
+    ]
+
+
+def test_list_checks_prints_each_checks_group_notebook_and_function(capsys) -> None:
+    assert list_checks() == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == f"{len(CHECKS)} checks, in notebook order:"
+    assert [line.split() for line in lines[3:]] == [
+        [c.id, c.group, f"notebooks/{c.notebook}.ipynb", c.function] for c in CHECKS
     ]
 
 

@@ -1,8 +1,8 @@
 """The engine serving tiny Qwen3.5, token by token against transformers' greedy generation (a4.reference.hf_greedy).
 
 The policies of notebook 05's checks (one request, one batch of 1 to 300-token prompts, chunked prefill cut off the
-GDN chunk boundaries, slot reuse, slots poisoned with garbage) come from a4.course.checks.state_pool, which shares
-one set of reference generations per process; they run the engine with hybrid_prefix_policy="refuse" (the prefix
+GDN chunk boundaries, slot reuse, slots poisoned with garbage) come from a4.course.checks.state_pool, and share one
+set of reference generations per process (a4.course.checks.common); they run the engine with hybrid_prefix_policy="refuse" (the prefix
 cache with saved states is notebook 07's, tested in its own files). Beyond them: the state a finished request leaves
 in its slot equals transformers' cache, the "refuse" policy never reuses a cached prefix, the memory plan counts the
 state, and a bfloat16 agreement floor.
@@ -15,6 +15,7 @@ import torch
 
 from a4 import LLM, SamplingParams
 from a4.checkpoints import tiny_checkpoint
+from a4.course.checks import common
 from a4.course.checks import state_pool as checks
 from a4.course.checks._harness import assert_close, model_reduction_length, tolerance
 from a4.reference import hf_prefill_capture
@@ -30,12 +31,12 @@ def ckpt():
 
 @pytest.fixture(scope="module")
 def prompts(ckpt):
-    return checks.shared_prompts(ckpt)
+    return common.shared_prompts(ckpt)
 
 
 @pytest.fixture(scope="module")
 def reference(ckpt):
-    return checks.reference_tokens(ckpt)
+    return common.reference_tokens(ckpt)
 
 
 def test_decode_single(ckpt, reference):
@@ -63,7 +64,7 @@ def test_finished_request_leaves_transformers_state_in_its_slot(ckpt, prompts):
     # The slot holds the state after every token fed: the prompt and all outputs but the last (never fed back).
     llm = LLM(ckpt, max_prefill_tokens=50)  # the 130-token prompt in three chunks
     engine = llm.engine
-    req = engine.add_request(prompts[checks.PROMPT_LENGTHS.index(130)], SamplingParams(max_new_tokens=4))
+    req = engine.add_request(prompts[common.PROMPT_LENGTHS.index(130)], SamplingParams(max_new_tokens=4))
     slot = None
     while not req.finished:
         engine.step()
@@ -85,9 +86,9 @@ def test_refuse_policy_never_reuses_a_cached_prefix(ckpt, prompts, reference):
     # The same prompts twice: an all-attention model would serve all but one token of each from the radix cache.
     llm = LLM(ckpt, enable_prefix_cache=True, hybrid_prefix_policy="refuse")
     assert not llm.engine.prefix_cache_enabled
-    picked = [checks.PROMPT_LENGTHS.index(n) for n in (65, 130)]
+    picked = [common.PROMPT_LENGTHS.index(n) for n in (65, 130)]
     for _ in range(2):
-        outputs = llm.generate([prompts[i] for i in picked], SamplingParams(max_new_tokens=checks.MAX_NEW_TOKENS))
+        outputs = llm.generate([prompts[i] for i in picked], SamplingParams(max_new_tokens=common.MAX_NEW_TOKENS))
         assert [out.token_ids for out in outputs] == [reference[i] for i in picked]
         assert [out.cached_tokens for out in outputs] == [0, 0]
     assert llm.stats.cached_tokens == 0
@@ -98,7 +99,7 @@ def test_refuse_policy_never_reuses_a_cached_prefix(ckpt, prompts, reference):
 def test_memory_plan_counts_the_state_of_every_slot(ckpt, dtype):
     llm = LLM(ckpt, dtype=dtype, max_running_requests=3)
     torch_dtype = getattr(torch, dtype)
-    expected = checks.expected_bytes_per_slot(checks.read_config(ckpt), torch_dtype)
+    expected = common.expected_bytes_per_slot(common.read_config(ckpt), torch_dtype)
     assert llm.ledger.state_bytes_per_slot == expected
     pool = llm.engine.state_pool
     assert pool.num_slots == llm.memory_plan.max_running_requests == 3

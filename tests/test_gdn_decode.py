@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from a4.course.checks import CheckFailed
+from a4.course.checks import CheckFailed, common
 from a4.course.checks import gpu as checks
 from a4.layers.gdn_decode import conv_update_by_slot_, gated_delta_rule_update_by_slot_
 
@@ -217,10 +217,10 @@ def conv_kwargs(batch: int) -> dict[str, torch.Tensor]:
 def test_gpu_report_reads_the_given_file(tmp_path, monkeypatch, capsys):
     path = tmp_path / "figures.json"
     path.write_text(json.dumps({"meta": {"device": "a GPU"}}))
-    assert checks.gpu_report(path) == {"meta": {"device": "a GPU"}}
-    monkeypatch.setenv(checks.GPU_REPORT_ENV, str(path))
-    assert checks.gpu_report() == {"meta": {"device": "a GPU"}}
-    assert checks.gpu_report(tmp_path / "none.json") is None
+    assert common.gpu_report(path) == {"meta": {"device": "a GPU"}}
+    monkeypatch.setenv(common.GPU_REPORT_ENV, str(path))
+    assert common.gpu_report() == {"meta": {"device": "a GPU"}}
+    assert common.gpu_report(tmp_path / "none.json") is None
     assert "No H200 figures at" in capsys.readouterr().out
 
 

@@ -18,7 +18,7 @@ from a4 import LLM, SamplingParams
 from a4.checkpoints import tiny_checkpoint
 from a4.course.checks import CheckFailed
 from a4.course.checks import radix as checks
-from a4.course.checks.state_pool import expected_bytes_per_slot, read_config
+from a4.course.checks.common import expected_bytes_per_slot, read_config
 from a4.engine.memory_plan import MemoryPlanError
 from a4.kvcache.radix_cache import CacheHandle, MatchResult, RadixCache
 

@@ -13,7 +13,7 @@ import torch
 
 from a4.checkpoints import preset_config
 from a4.core import Req, SamplingParams
-from a4.course.checks import CheckFailed
+from a4.course.checks import CheckFailed, common
 from a4.course.checks import state_pool as checks
 from a4.kvcache.state_pool import StatePool, StateCheckpoint
 from a4.models.config import parse_config
@@ -21,7 +21,7 @@ from a4.models.config import parse_config
 
 @pytest.fixture(scope="module")
 def config(tiny_qwen3_5):
-    return parse_config(checks.read_config(tiny_qwen3_5))
+    return parse_config(common.read_config(tiny_qwen3_5))
 
 
 def filled_pool(config, num_slots: int, dtype: torch.dtype = torch.float32) -> StatePool:
@@ -49,7 +49,7 @@ def test_save_and_restore(tiny_qwen3_5):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_pool_bytes_are_slots_times_bytes_per_slot(tiny_qwen3_5, config, dtype):
     pool = StatePool(config, 5, dtype, "cpu")
-    expected = 5 * checks.expected_bytes_per_slot(checks.read_config(tiny_qwen3_5), dtype)
+    expected = 5 * common.expected_bytes_per_slot(common.read_config(tiny_qwen3_5), dtype)
     allocated = sum(pool.conv_state(k).nbytes + pool.recurrent_state(k).nbytes for k in range(pool.num_layers))
     assert pool.total_bytes == allocated == expected
 

@@ -64,23 +64,30 @@ def cmd_list(args: argparse.Namespace) -> int:
     if not left:
         print("every exercise is written: `python -m a4.course grade` runs every check")
         return 0
-    rows = [(s.id, s.where, f"notebooks/{s.notebook}.ipynb", s.text) for s in left]
-    widths = [max([len(h), *(len(row[i]) for row in rows)]) for i, h in enumerate(("exercise", "file", "notebook"))]
     print(f"{len(left)} exercises still to write, in notebook order:\n")
-    print(f"{'exercise':{widths[0]}}  {'file':{widths[1]}}  {'notebook':{widths[2]}}  what to write")
-    for row in rows:
-        print(f"{row[0]:{widths[0]}}  {row[1]:{widths[1]}}  {row[2]:{widths[2]}}  {row[3]}")
+    print_table(
+        ("exercise", "file", "notebook", "what to write"),
+        [(s.id, s.where, f"notebooks/{s.notebook}.ipynb", s.text) for s in left],
+    )
     return 0
 
 
 def list_checks() -> int:
     from a4.course.checks.registry import CHECKS
 
-    width = max(len(check.id) for check in CHECKS)
-    print(f"{len(CHECKS)} checks, in notebook order (grade's groups: required, other, optional):\n")
-    for check in CHECKS:
-        print(f"{check.id:{width}}  {check.group:8}  notebooks/{check.notebook}.ipynb")
+    print(f"{len(CHECKS)} checks, in notebook order:\n")
+    print_table(
+        ("check", "grade's group", "notebook", "function its cell calls (a4/course/checks/)"),
+        [(c.id, c.group, f"notebooks/{c.notebook}.ipynb", c.function) for c in CHECKS],
+    )
     return 0
+
+
+def print_table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> None:
+    """Columns padded to their widest cell, the last one left as it is."""
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header) - 1)]
+    for row in [header, *rows]:
+        print("  ".join(f"{cell:{width}}" for cell, width in zip(row, widths)) + f"  {row[-1]}")
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
@@ -130,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     commands.add_parser("sync", help="regenerate the student files from solutions/").set_defaults(run=cmd_sync)
     commands.add_parser("check", help="fail if a student file is out of date").set_defaults(run=cmd_check)
     listing = commands.add_parser("list", help="the exercises still to write (--checks: every check)")
-    listing.add_argument("--checks", action="store_true", help="list every check, its group and its notebook")
+    listing.add_argument("--checks", action="store_true", help="list every check, its group, its notebook and its function")
     listing.set_defaults(run=cmd_list)
     verify = commands.add_parser("verify-notebooks", help="notebooks pass on solutions, checks fail on the skeleton")
     verify.add_argument(

@@ -51,7 +51,7 @@ BOOK_CONFIG = Path("book/_config.yml")
 EXECUTE_NOTEBOOKS = re.compile(r"^(?P<key>\s*execute_notebooks:).*$", re.MULTILINE)
 
 
-# solutions/ files that a handout needs as data, and where the handout keeps them (a4.course.checks.gpu reads both).
+# solutions/ files that a handout needs as data, and where the handout keeps them (a4.course.checks.common reads both).
 MEASURED_DATA = {Path("solutions/report/h200_gpu.json"): Path("notebooks/data/h200_gpu.json")}
 
 

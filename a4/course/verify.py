@@ -5,7 +5,9 @@ Static rules, read from the .ipynb files:
 - a check cell has the tag `check` and exactly one `check:<id>` tag; ids are unique within a notebook; it runs its
   body in `with checking("<id>"):` (a4.course.checks), which shows the check's result without ending Run All;
 - every exercise (a BEGIN SOLUTION marker) points at a notebook that exists and has at least one check cell;
-- a notebook's check cells are, in order, those the table of checks (a4/course/checks/registry.py) gives it.
+- a notebook's check cells are, in order, those the table of checks (a4/course/checks/registry.py) gives it, and
+  each calls its check's function there (`checks.<function>`, the notebook's check module imported as `checks`)
+  and no function the table gives only to other checks; every function the table names exists.
 
 Pass 1, A4_SOLUTIONS=1: every cell of every notebook passes.
 
@@ -26,12 +28,16 @@ Each pass runs the notebooks over two workers, one notebook per kernel.
 
 from __future__ import annotations
 
+import ast
 import time
 from collections import defaultdict
 from pathlib import Path
 
+import nbformat
+from IPython.core.inputtransformer2 import TransformerManager
+
 from a4._overlay import REPO_ROOT
-from a4.course.checks.registry import CHECKS, checks_of
+from a4.course.checks.registry import BY_ID, CHECKS, checks_of
 from a4.course.exercises import MarkerError, all_exercises
 from a4.course.nbval_plugin import CHECK_ID_PREFIX, CHECK_TAG, check_ids_of
 from a4.course.notebooks import CellResult, check_cells, notebook_paths, read_notebook, run_notebooks, select
@@ -70,6 +76,50 @@ def lint_notebook(path: Path) -> list[str]:
     return problems
 
 
+def _python(source: str) -> ast.Module:
+    """A code cell's syntax tree, its IPython magics (`%autoreload 2`) turned into Python as the kernel does."""
+    return ast.parse(TransformerManager().transform_cell(source))
+
+
+def _checks_module(notebook: nbformat.NotebookNode) -> str | None:
+    """The module of a4/course/checks that the notebook imports as `checks` (`from a4.course.checks import x as
+    checks`), None if none."""
+    for cell in notebook.cells:
+        if cell.cell_type == "code" and "a4.course.checks" in cell.source:
+            for node in ast.walk(_python(cell.source)):
+                if isinstance(node, ast.ImportFrom) and node.module == "a4.course.checks":
+                    for alias in node.names:
+                        if alias.asname == "checks":
+                            return alias.name
+    return None
+
+
+def check_function_problems(path: Path) -> list[str]:
+    """How the notebook's check cells disagree with the functions the table of checks gives them."""
+    notebook = read_notebook(path)
+    module = _checks_module(notebook)
+    problems = []
+    for check_id, source in check_cells(notebook).items():
+        if (check := BY_ID.get(check_id)) is None:
+            continue  # lint names a check the table lacks
+        calls = {
+            f"{module}.{node.func.attr}"
+            for node in ast.walk(_python(source))
+            if isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and isinstance(node.func.value, ast.Name)
+            and node.func.value.id == "checks"
+        }
+        if check.function not in calls:
+            problems.append(
+                f"{path.name}: check cell {check_id} does not call {check.function}, its function in the table of "
+                "checks (a4/course/checks/registry.py)"
+            )
+        others = sorted(calls & {c.function for c in CHECKS} - {check.function})
+        problems += [f"{path.name}: check cell {check_id} calls {name}, another check's function" for name in others]
+    return problems
+
+
 def lint(repo: Path, notebooks: list[Path]) -> list[str]:
     """The static rules for these notebooks and for the exercises that point at them (or at missing notebooks)."""
     problems = [p for path in notebooks for p in lint_notebook(path)]
@@ -86,6 +136,12 @@ def lint(repo: Path, notebooks: list[Path]) -> list[str]:
                 f"{path.name}: its check cells {ids} are not those of the table of checks (a4/course/checks/"
                 f"registry.py), in its order: {expected}"
             )
+        problems += check_function_problems(path)
+    for check in (c for c in CHECKS if c.notebook in selected):
+        try:
+            check.load()
+        except (ImportError, AttributeError) as e:
+            problems.append(f"a4/course/checks/registry.py: {check.id}: no function {check.function} ({e})")
     if selected == existing:
         for stem in sorted({check.notebook for check in CHECKS} - existing):
             problems.append(f"a4/course/checks/registry.py: checks of {stem}, which is not a notebook")

@@ -8,7 +8,9 @@ unwritten exercise is left to propagate: its message already names the exercise 
 
 The unit tests drive these same checks. Shared by both: `_harness` (how close is close enough: one tolerance rule
 and one comparison for every check and test; random inputs) and `_model_runner` (layers and models stepped by hand).
-`_earlier` makes an engine-level check that fails name the earlier notebook whose own checks fail.
+`_earlier` makes an engine-level check that fails name the earlier notebook whose own checks fail. `registry` is the
+table of checks (each check's id, notebook, function and grading group); `common` holds what several notebooks share
+(the real configs and sizes read from them, the H200 figures, the engine checks' prompts and transformers' tokens).
 
 A check cell runs its body in `with checking("<id>"):`, the id of its `check:<id>` tag. The cell then ends without
 an error whether the check passes or fails, so that JupyterLab's Run All goes on to every later check: it prints

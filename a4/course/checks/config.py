@@ -15,16 +15,9 @@ from typing import Any
 
 from a4.checkpoints import preset_config
 from a4.course.checks import conclude, error_problems
+from a4.course.checks.common import QWEN3_5_PRESETS
 from a4.models.config import ConfigError, ModelConfig, load_model_config, parse_config
 
-# The five real Qwen3.5 configs: (arch, preset) as `a4.checkpoints.preset_config` names them.
-QWEN3_5_PRESETS = (
-    ("qwen3_5", "0.8b"),
-    ("qwen3_5", "2b"),
-    ("qwen3_5", "9b"),
-    ("qwen3_5", "27b"),
-    ("qwen3_5_moe", "35b-a3b"),
-)
 MOE_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size")
 LINEAR_FIELDS = (
     "linear_num_key_heads",

@@ -1,4 +1,4 @@
-"""Checks of notebook 10: the GDN decode step by slot (`a4/layers/gdn_decode.py`), and the H200 figures it draws.
+"""Checks of notebook 10: the GDN decode step by slot (`a4/layers/gdn_decode.py`).
 
 Ground truths:
 - values: transformers' own torch code for one decode token, `causal_conv1d_update` and
@@ -14,17 +14,13 @@ Ground truths:
   (`pool[slots]`) or written (`pool[slots] = rows`), is graph-safe: the index kernel reads the slots on the device.
 
 The shapes are not the notebook's: value heads 3x key heads or as many, dk != dv, conv kernels 2, 3 and 4.
-`gpu_report` finds the H200 figures the notebook draws (see its docstring).
 """
 
 from __future__ import annotations
 
-import json
 import linecache
-import os
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,13 +28,11 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from a4._overlay import REPO_ROOT
-from a4.checkpoints import preset_config
 from a4.course.checks import conclude
 from a4.course.checks._earlier import ENGINE, after_notebooks
 from a4.course.checks._harness import DTYPES, compare, compare_dtype, randn, shape_problems, tolerance
+from a4.course.checks.common import MAX_NEW_TOKENS, reference_tokens, shared_prompts, token_problems
 from a4.course.checks.deltanet import CONV_KERNELS, SHAPES
-from a4.models.config import LINEAR_ATTENTION
 
 NUM_SLOTS = 7
 # Real requests in slots out of order; then a padded batch: dummy slot 0 on two rows, as a CUDA-graph bucket pads.
@@ -397,64 +391,12 @@ def graph_problems(make_call: Callable[[int], tuple[Callable, dict[str, torch.Te
     return []
 
 
-# ------------------------------------------------------------------------------------------------ the real shapes
-
-
-@dataclass(frozen=True)
-class GDNShapes:
-    """A Qwen3.5 model's GDN layer shapes, from its config.json's fields (not from a4's ModelConfig)."""
-
-    key_heads: int
-    value_heads: int
-    dk: int
-    dv: int
-    kernel: int
-    gdn_layers: int
-
-    @property
-    def conv_dim(self) -> int:
-        """Channels of the conv: q, k (key heads x dk each) and v (value heads x dv)."""
-        return 2 * self.key_heads * self.dk + self.value_heads * self.dv
-
-
-def gdn_shapes(preset: str, arch: str = "qwen3_5") -> GDNShapes:
-    text = preset_config(arch, preset)["text_config"]
-    return GDNShapes(
-        key_heads=text["linear_num_key_heads"],
-        value_heads=text["linear_num_value_heads"],
-        dk=text["linear_key_head_dim"],
-        dv=text["linear_value_head_dim"],
-        kernel=text["linear_conv_kernel_dim"],
-        gdn_layers=text["layer_types"].count(LINEAR_ATTENTION),
-    )
-
-
-# ------------------------------------------------------------------------------------------------- the H200 figures
-
-# Where the course keeps its H200 run (written by `python -m a4 bench gpu` on the H200), and where a handout has it
-# (a4.course.release copies it there); A4_GPU_REPORT overrides both.
-H200_REPORTS = (REPO_ROOT / "solutions" / "report" / "h200_gpu.json", REPO_ROOT / "notebooks" / "data" / "h200_gpu.json")
-GPU_REPORT_ENV = "A4_GPU_REPORT"
-
-
-def gpu_report(path: Path | None = None) -> dict[str, Any] | None:
-    """The H200 figures: the file `path`, else $A4_GPU_REPORT, else the course's run (H200_REPORTS); None if none
-    exists (it says so)."""
-    found = next((report for report in H200_REPORTS if report.is_file()), H200_REPORTS[0])
-    path = Path(path or os.environ.get(GPU_REPORT_ENV) or found)
-    if not path.is_file():
-        print(f"No H200 figures at {path}: the cells that draw them show nothing.")
-        return None
-    return json.loads(path.read_text())
-
-
 @after_notebooks(*ENGINE, "05", "10")
 def check_static_decode_engine(checkpoint: str | Path) -> None:
     """The engine's decode on static buffers (`cuda_graphs=True`: on a CPU the GPU's decode path, run eagerly), whose
     GDN layers decode with your two functions: the shared prompts (1 to 300 tokens) through 3 slots, chunked prefill,
     decode batches padded to buckets of 2 and 4 on the padding slot, slots reused; every token equal to
     transformers' greedy `generate`."""
-    from a4.course.checks.state_pool import MAX_NEW_TOKENS, reference_tokens, shared_prompts, token_problems
     from a4.core import SamplingParams
     from a4.llm import LLM
 

@@ -21,7 +21,7 @@ from a4.checkpoints import preset_config
 from a4.core import Req, SamplingParams
 from a4.course.checks import conclude
 from a4.course.checks._earlier import ENGINE, after_notebooks
-from a4.course.checks.config import QWEN3_5_PRESETS
+from a4.course.checks.common import QWEN3_5_PRESETS
 from a4.engine.memory_plan import MemoryLedger, MemoryPlan, MemoryPlanError
 from a4.models.config import ModelConfig, load_model_config, parse_config
 

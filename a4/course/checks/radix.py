@@ -29,7 +29,7 @@ import torch
 from a4.core import SamplingParams
 from a4.course.checks import CheckFailed, conclude
 from a4.course.checks._earlier import ENGINE, after_notebooks
-from a4.course.checks.state_pool import read_config, stop_tokens, text_config
+from a4.course.checks.common import read_config, stop_tokens, text_config
 
 if TYPE_CHECKING:
     from a4 import LLM

@@ -16,7 +16,6 @@ reference run.
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -25,8 +24,9 @@ import torch
 
 from a4._overlay import REPO_ROOT, SOLUTIONS_ROOT
 from a4.bench.decode_context import layer_step_seconds, slope_ms_per_1k
-from a4.checkpoints import preset_config, tensor_plan
+from a4.checkpoints import preset_config
 from a4.course.checks import conclude
+from a4.course.checks.common import weight_bytes
 from a4.course.checks.memory import figures
 from a4.engine.memory_plan import MemoryLedger
 from a4.layers.rope import RotaryEmbedding
@@ -78,13 +78,6 @@ def _shown(path: Path) -> Path:
 
 
 # ------------------------------------------------------------------------------------------------------ the ledger
-
-
-def weight_bytes(arch: str, preset: str, dtype: torch.dtype) -> int:
-    """Bytes of the tensors the engine loads (language model and lm_head; not the vision tower, not MTP) in dtype."""
-    specs = tensor_plan(arch, preset_config(arch, preset))
-    values = sum(math.prod(spec.shape) for spec in specs if not spec.name.startswith(("model.visual.", "mtp.")))
-    return values * torch.empty((), dtype=dtype).element_size()
 
 
 def pool_budget(arch: str, preset: str, dtype: torch.dtype) -> int:

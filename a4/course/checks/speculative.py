@@ -36,6 +36,15 @@ from a4.core import SamplingParams
 from a4.course.checks import CheckFailed, conclude
 from a4.course.checks._earlier import ENGINE, after_notebooks
 from a4.course.checks._harness import DTYPES, compare, compare_dtype, randn, shape_problems, tolerance
+from a4.course.checks.common import (
+    MAX_NEW_TOKENS,
+    gdn_shapes,
+    read_config,
+    reference_tokens,
+    shared_prompts,
+    text_config,
+    token_problems,
+)
 from a4.course.checks.deltanet import (
     CONV_KERNELS,
     DK,
@@ -48,14 +57,11 @@ from a4.course.checks.deltanet import (
 from a4.course.checks.gpu import (
     PoolWrites,
     batch_loop_problems,
-    gdn_shapes,
     reads_values,
     transformers_conv,
     transformers_rule,
     unchanged_pool_problem,
 )
-from a4.course.checks.state_pool import MAX_NEW_TOKENS, read_config, reference_tokens, shared_prompts, text_config
-from a4.course.checks.state_pool import token_problems
 from a4.speculative.drafter import OracleDrafter
 
 # Verify lengths L = k + 1: no draft, fewer tokens than a conv state holds (K - 1 = 3 for kernel 4), more.

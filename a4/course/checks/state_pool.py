@@ -1,20 +1,18 @@
 """Checks of notebook 05: the StatePool, and Qwen3.5 served by the engine, against independent references.
 
 Two ground truths:
-- the pool's shapes, dtypes and bytes are computed here from config.json's own fields (the raw file, not a4's
-  ModelConfig), with the formula of the real checkpoints: per GDN layer conv_dim x (K-1) values in the model dtype
-  and Hv x dk x dv values in float32;
+- the pool's shapes, dtypes and bytes are computed from config.json's own fields (the raw file, not a4's
+  ModelConfig: `expected_state_layout` in `a4.course.checks.common`), with the formula of the real checkpoints: per
+  GDN layer conv_dim x (K-1) values in the model dtype and Hv x dk x dv values in float32;
 - the tokens are transformers' greedy generation of each prompt alone (`a4.reference.hf_greedy`). Each engine check
   serves the same prompts under one policy (one batch, chunked prefill, slot reuse, poisoned slots) and compares
-  every token. Those reference generations are computed once per process (`reference_tokens`).
+  every token. Those prompts and reference generations are shared with the later notebooks' engine checks
+  (`a4.course.checks.common`), computed once per process.
 """
 
 from __future__ import annotations
 
-import functools
 import inspect
-import json
-import random
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -25,49 +23,26 @@ from a4.checkpoints import preset_config
 from a4.core import Output, SamplingParams
 from a4.course.checks import CheckFailed, conclude
 from a4.course.checks._earlier import ENGINE, after_notebooks
-from a4.course.checks.config import QWEN3_5_PRESETS
+from a4.course.checks.common import (
+    MAX_NEW_TOKENS,
+    PROMPT_LENGTHS,
+    QWEN3_5_PRESETS,
+    expected_bytes_per_slot,
+    expected_state_layout,
+    first_difference,
+    read_config,
+    reference_tokens,
+    shared_prompts,
+    token_problems,
+)
 from a4.dtypes import DTYPES
-from a4.models.config import LINEAR_ATTENTION, parse_config
+from a4.models.config import parse_config
 
-# Prompt lengths of every engine check: a single token, lengths just before, at and after a boundary of the GDN
-# layer's prefill chunks, and long ones that span several chunks. 64 is a multiple of every chunk size
-# `chunk_gated_delta_rule` takes (16, 32, 64; a4's is its default, `gdn_chunk_size()`), so 63, 64, 65 and 130
-# straddle a boundary whichever it is.
-PROMPT_LENGTHS = (1, 7, 40, 63, 64, 65, 130, 300)
-MAX_NEW_TOKENS = 6
 # Prefill budgets of the chunked check: each cuts some prompts before, at or after a GDN chunk boundary.
 CHUNK_BUDGETS = (1, 7, 63, 64, 65)
 
 
 # ------------------------------------------------------------------------------------------- sizes from config.json
-
-
-def text_config(raw: dict[str, Any]) -> dict[str, Any]:
-    return raw.get("text_config", raw)
-
-
-def expected_state_layout(raw: dict[str, Any]) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
-    """(GDN layers, conv state shape of one slot, recurrent state shape of one slot), from config.json's fields."""
-    t = text_config(raw)
-    conv_dim = 2 * t["linear_num_key_heads"] * t["linear_key_head_dim"] + (
-        t["linear_num_value_heads"] * t["linear_value_head_dim"]
-    )
-    num_gdn = t["layer_types"].count(LINEAR_ATTENTION)
-    conv = (conv_dim, t["linear_conv_kernel_dim"] - 1)
-    recurrent = (t["linear_num_value_heads"], t["linear_key_head_dim"], t["linear_value_head_dim"])
-    return num_gdn, conv, recurrent
-
-
-def expected_bytes_per_slot(raw: dict[str, Any], dtype: torch.dtype) -> int:
-    """Per GDN layer: conv_dim x (K-1) values in the model dtype + Hv x dk x dv values in float32."""
-    num_gdn, conv, recurrent = expected_state_layout(raw)
-    conv_values = conv[0] * conv[1]
-    recurrent_values = recurrent[0] * recurrent[1] * recurrent[2]
-    return num_gdn * (conv_values * dtype.itemsize + recurrent_values * 4)
-
-
-def read_config(checkpoint: str | Path) -> dict[str, Any]:
-    return json.loads((Path(checkpoint) / "config.json").read_text())
 
 
 def _configs(checkpoint: str | Path) -> dict[str, dict[str, Any]]:
@@ -225,59 +200,6 @@ def _fill_slot(pool, slot: int, value: float) -> None:
 
 
 # ------------------------------------------------------------------------------------- the engine against transformers
-
-
-def stop_tokens(checkpoint: str | Path) -> set[int]:
-    """Every end-of-sequence id in config.json and generation_config.json (kept out of the prompts)."""
-    ids: set[int] = set()
-    for name in ("config.json", "generation_config.json"):
-        raw = json.loads((Path(checkpoint) / name).read_text())
-        for value in (raw.get("eos_token_id"), text_config(raw).get("eos_token_id")):
-            ids |= set(value) if isinstance(value, list) else {value} if value is not None else set()
-    return ids
-
-
-def shared_prompts(checkpoint: str | Path, seed: int = 5) -> list[list[int]]:
-    """One random prompt per PROMPT_LENGTHS entry, without stop tokens."""
-    rng = random.Random(seed)
-    vocab = text_config(read_config(checkpoint))["vocab_size"]
-    allowed = sorted(set(range(vocab)) - stop_tokens(checkpoint))
-    return [[rng.choice(allowed) for _ in range(n)] for n in PROMPT_LENGTHS]
-
-
-@functools.cache
-def _reference(checkpoint: str, dtype: str) -> tuple[tuple[int, ...], ...]:
-    from a4.reference import hf_greedy
-
-    tokens = hf_greedy(checkpoint, shared_prompts(checkpoint), MAX_NEW_TOKENS, dtype=dtype)
-    return tuple(tuple(t) for t in tokens)
-
-
-def reference_tokens(checkpoint: str | Path, dtype: str = "float32") -> list[list[int]]:
-    """transformers' greedy tokens for shared_prompts (MAX_NEW_TOKENS each), computed once per process."""
-    return [list(t) for t in _reference(str(Path(checkpoint).resolve()), dtype)]
-
-
-def first_difference(a: Sequence[int], b: Sequence[int]) -> int:
-    """Index of the first token where a and b differ (the shorter length if one is a prefix of the other)."""
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-
-
-def token_problems(
-    label: str, outputs: Sequence[Output], prompts: Sequence[Sequence[int]], expected: Sequence[Sequence[int]]
-) -> list[str]:
-    """Every request whose tokens differ from transformers', with the first position where they do."""
-    problems = []
-    for i, (out, prompt, want) in enumerate(zip(outputs, prompts, expected, strict=True)):
-        if out.error is not None:
-            problems.append(f"{label}: request {i} (prompt of {len(prompt)} tokens) failed: {out.error}")
-        elif out.token_ids != list(want):
-            problems.append(
-                f"{label}: request {i} (prompt of {len(prompt)} tokens) differs from transformers at output token "
-                f"{first_difference(out.token_ids, want)}: "
-                f"a4 {out.token_ids}, transformers {list(want)}"
-            )
-    return problems
 
 
 def _llm(checkpoint: str | Path, **kwargs):

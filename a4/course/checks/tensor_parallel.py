@@ -30,8 +30,14 @@ from a4.core import ForwardMode, SamplingParams
 from a4.course.checks import CheckFailed, conclude
 from a4.course.checks._earlier import ENGINE, after_notebooks
 from a4.course.checks._harness import compare, gdn_reduction_length, randn, tolerance
-from a4.course.checks.gpu import GDNShapes, gdn_shapes
-from a4.course.checks.state_pool import MAX_NEW_TOKENS, reference_tokens, shared_prompts, token_problems
+from a4.course.checks.common import (
+    MAX_NEW_TOKENS,
+    GDNShapes,
+    gdn_shapes,
+    reference_tokens,
+    shared_prompts,
+    token_problems,
+)
 from a4.course.exercises import exercise_named_in
 from a4.distributed.group import TPGroup, run_ranks
 from a4.distributed.sharding import rank_model_config, shard_model
