@@ -32,6 +32,10 @@ class SamplingParams:
     top_p: float = 1.0  # 1: no nucleus cut
     seed: int | None = None
     ignore_eos: bool = False
+    # Log-probabilities (vLLM's names): each output token's, with the `logprobs` most likely tokens' at its step
+    # (0: its own only), and each prompt token's, with the `prompt_logprobs` most likely; None: not computed.
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         _check_int("max_new_tokens", self.max_new_tokens, low=1)
@@ -48,6 +52,9 @@ class SamplingParams:
             _check_int("seed", self.seed, low=0, high=2**63 - 1)
         if not isinstance(self.ignore_eos, bool):
             raise TypeError(f"SamplingParams.ignore_eos must be True or False, got {self.ignore_eos!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                _check_int(name, getattr(self, name), low=0)
 
 
 def _check_int(name: str, value: object, *, low: int, high: int | None = None) -> None:
@@ -64,6 +71,16 @@ def _check_real(name: str, value: object) -> None:
         raise TypeError(f"SamplingParams.{name} must be a number, got {value!r} ({type(value).__name__})")
     if not math.isfinite(value):
         raise ValueError(f"SamplingParams.{name} must be finite, got {value!r}")
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """One position's log-probabilities under the model's own distribution (log-softmax of its float32 logits, before
+    temperature, top-k or top-p: vLLM's default "raw" logprobs): the token there, and the k most likely tokens."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token id, logprob), most likely first
 
 
 @dataclass
@@ -88,6 +105,10 @@ class Req:
     # Prompt tokens that came from the prefix cache (reported in Output.cached_tokens).
     prefix_hit_len: int = 0
     output_ids: list[int] = field(default_factory=list)
+    # With SamplingParams.logprobs: one entry per output token, booked with it. With prompt_logprobs: one per prompt
+    # token, the first None (nothing predicts it), filled as the prompt's chunks are booked.
+    output_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
     # Tokens sampled by launched steps that are not booked yet (in output_ids): with overlap scheduling, the step in
     # flight's; they are on the device (ModelRunner.last_tokens), where the next decode step reads them.
     tokens_in_flight: int = 0
@@ -259,3 +280,6 @@ class Output:
     cached_tokens: int
     finish_reason: FinishReason
     error: str | None = None
+    # Asked for in SamplingParams (logprobs, prompt_logprobs): as Req's, else None.
+    logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
