@@ -38,10 +38,6 @@ REFUSED = [
     ("chat", {"presence_penalty": 0.5}, "presence_penalty", "not supported"),
     ("completions", {"frequency_penalty": -1}, "frequency_penalty", "not supported"),
     ("completions", {"n": 3}, "n", "not supported"),
-    ("completions", {"logprobs": 2}, "logprobs", "not supported"),
-    ("completions", {"echo": True}, "echo", "not supported"),
-    ("chat", {"logprobs": True}, "logprobs", "not supported"),
-    ("chat", {"top_logprobs": 2}, "top_logprobs", "not supported"),
     ("chat", {"response_format": {"type": "json_object"}}, "response_format", "not supported"),
 ]
 
