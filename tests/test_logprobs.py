@@ -1,7 +1,8 @@
 """Log-probabilities (SamplingParams.logprobs and prompt_logprobs) against transformers' log-softmax of its float32
 logits along the same sequence: through every step loop (plain, overlap scheduling, mixed steps), chunked prefill, the
 static-buffer runner (cuda_graphs=True runs it eagerly on the CPU), a sampled request (the logprobs are the model's
-raw distribution, not the temperature's), and the prefix cache, which a request asking for prompt logprobs skips."""
+raw distribution, not the temperature's), and the prefix cache, which a request asking for prompt logprobs skips; a
+speculative engine refuses them, request by request."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from a4 import LLM, SamplingParams
 from a4.course.checks._harness import model_reduction_length, tolerance
 from a4.models.config import load_model_config
 from a4.reference import hf_log_softmax
+from a4.speculative.drafter import OracleDrafter
 from test_fault_injection import assert_clean
 
 PROMPTS = [list(range(3, 40)), [11, 12, 13, 14, 15], [7]]
@@ -73,3 +75,13 @@ def test_prompt_logprobs_skip_the_prefix_cache_and_other_requests_compute_none(t
     [again] = llm.generate([prompt], SamplingParams(max_new_tokens=MAX_NEW))
     assert again.cached_tokens > 0 and again.token_ids == plain.token_ids
     assert_clean(llm, tiny_qwen3_5)
+
+
+def test_a_speculative_engine_refuses_logprobs_and_serves_the_others(tiny_qwen3_5):
+    # Drafts that are never right (0 correct): the request is served token by token, as without drafts.
+    drafter = OracleDrafter({tuple(PROMPTS[1]): []}, 0, load_model_config(tiny_qwen3_5).vocab_size)
+    llm = LLM(tiny_qwen3_5, drafter=drafter, speculative_tokens=2)
+    asked, plain = llm.generate([PROMPTS[1]] * 2, [SamplingParams(max_new_tokens=2, prompt_logprobs=0),
+                                                   SamplingParams(max_new_tokens=2)])  # fmt: skip
+    assert asked.finish_reason == "error" and "speculative" in asked.error
+    assert plain.finish_reason == "length" and len(plain.token_ids) == 2

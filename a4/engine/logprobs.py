@@ -36,7 +36,8 @@ class PendingLogprobs:
         if self._copied is not None:
             self._copied.synchronize()
         rows = zip(self._ids.tolist(), self._values.tolist(), ks)
-        return [TokenLogprobs(ids[0], values[0], tuple(zip(ids[1 : k + 1], values[1 : k + 1]))) for ids, values, k in rows]
+        return [TokenLogprobs(ids[0], values[0], tuple(zip(ids[1 : k + 1], values[1 : k + 1])))
+                for ids, values, k in rows]  # fmt: skip
 
 
 def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, k: int) -> PendingLogprobs:

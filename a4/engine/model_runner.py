@@ -147,9 +147,8 @@ class ModelRunner:
             input_ids, state_slots = self._inputs(batch)
         runner = self.graph_runner
         prompt_rows = prompt_logprob_rows(batch) if mode is ForwardMode.EXTEND and not every_row else []
-        if mode is ForwardMode.EXTEND and runner is not None and not every_row and not prompt_rows and runner.takes_prefill(
-            prefix_lens, extend_lens
-        ):
+        static_prefill = mode is ForwardMode.EXTEND and runner is not None and not every_row and not prompt_rows
+        if static_prefill and runner.takes_prefill(prefix_lens, extend_lens):
             hidden, logits = runner.prefill(input_ids, reqs[0].slot)
             rows = int(batch.sample[0])  # a chunk that does not end its prompt samples nothing
             return ModelOutput(hidden[:rows], logits[:rows])
