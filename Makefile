@@ -1,7 +1,7 @@
 # The two commands of the README: `make demo` and `make test`. Both create .venv on first use (venv.mk).
 include venv.mk
 
-.PHONY: demo test unit unit-portable browser-test notebooks book grade release bench train-tiny clean
+.PHONY: demo test unit unit-portable browser-test client-test notebooks book grade release bench train-tiny clean
 
 demo: $(STAMP)
 	A4_SOLUTIONS=1 $(PY) -m a4 demo
@@ -15,11 +15,11 @@ test: $(STAMP)
 
 # Two pytest workers on two cores: one torch thread each (THREADS), or every small op pays for thread
 # oversubscription. Another thread count splits the sums differently: `make unit THREADS=2`.
-# tests/test_browser.py runs in browser-test only.
+# tests/test_browser.py runs in browser-test only, tests/clients in client-test only.
 THREADS ?= 1
 unit: $(STAMP)
 	OMP_NUM_THREADS=$(THREADS) A4_SOLUTIONS=1 $(PY) -m pytest -q -n 2 --dist loadfile --ignore=tests/test_browser.py \
-		$(UNIT_ARGS) tests
+		--ignore=tests/clients $(UNIT_ARGS) tests
 
 # The unit tests on PyTorch's plain C++ kernels instead of this CPU's vectorised ones: sums in another order, as on
 # another CPU (CI runs this after `make test`). `ATEN_CPU_CAPABILITY=avx2 make unit` tries AVX2's kernels. The test
@@ -40,6 +40,21 @@ $(BROWSER_STAMP): $(STAMP)
 
 browser-test: $(BROWSER_STAMP)
 	OMP_NUM_THREADS=1 A4_REQUIRE_BROWSER=1 $(PY) -m pytest -q tests/test_browser.py
+
+# lm-eval and guidellm against `python -m a4 serve` (tests/clients, a few minutes on 2 cores), installed in their own
+# environment .venv-clients (a CPU torch, transformers, the clients of tests/clients/requirements.txt), never in .venv.
+# A4_REQUIRE_CLIENTS=1: a missing client fails the run instead of skipping it.
+CLIENTS_VENV := .venv-clients
+CLIENTS_STAMP := $(CLIENTS_VENV)/.installed
+$(CLIENTS_STAMP): tests/clients/requirements.txt
+	test -x $(CLIENTS_VENV)/bin/python || $(PYTHON) -m venv $(CLIENTS_VENV)
+	$(CLIENTS_VENV)/bin/python -m pip install -q --upgrade pip
+	$(if $(TORCH),$(CLIENTS_VENV)/bin/python -m pip install -q "$(TORCH)")
+	$(CLIENTS_VENV)/bin/python -m pip install -q -r tests/clients/requirements.txt
+	touch $(CLIENTS_STAMP)
+
+client-test: $(STAMP) $(CLIENTS_STAMP)
+	OMP_NUM_THREADS=1 A4_SOLUTIONS=1 A4_REQUIRE_CLIENTS=1 $(PY) -m pytest -q tests/clients
 
 # Every cell passes with A4_SOLUTIONS=1; on the skeleton every check cell fails and no other cell does.
 notebooks: $(STAMP)
@@ -73,4 +88,4 @@ train-tiny: $(STAMP)
 	OMP_NUM_THREADS=2 $(PY) -m a4.train_tiny
 
 clean:
-	rm -rf $(VENV) .cache book/_build
+	rm -rf $(VENV) $(CLIENTS_VENV) .cache book/_build

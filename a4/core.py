@@ -49,6 +49,10 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     # Samples of the same prompt: its prefill runs once and they share its KV (Engine.add_parallel_requests).
     n: int = 1
+    # Log-probabilities (vLLM's names): each output token's, with the `logprobs` most likely tokens' at its step
+    # (0: its own only), and each prompt token's, with the `prompt_logprobs` most likely; None: not computed.
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         _check_int("max_new_tokens", self.max_new_tokens, low=1)
@@ -90,6 +94,9 @@ class SamplingParams:
                     raise ValueError(f"SamplingParams.logit_bias of token {token} must be in [-100, 100], got {bias!r}")
         _check_int("n", self.n, low=1)
 
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                _check_int(name, getattr(self, name), low=0)
     @property
     def processes_logits(self) -> bool:
         """Whether the sampler changes this request's logits before it picks a token (LogitsProcessors)."""
@@ -116,6 +123,16 @@ def _check_real(name: str, value: object) -> None:
         raise ValueError(f"SamplingParams.{name} must be finite, got {value!r}")
 
 
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """One position's log-probabilities under the model's own distribution (log-softmax of its float32 logits, before
+    temperature, top-k or top-p: vLLM's default "raw" logprobs): the token there, and the k most likely tokens."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token id, logprob), most likely first
+
+
 @dataclass
 class Req:
     """One request. Positions [0, computed_len) are in the pools (from the prefix cache or earlier chunks and steps)."""
@@ -138,6 +155,10 @@ class Req:
     # Prompt tokens that came from the prefix cache (reported in Output.cached_tokens).
     prefix_hit_len: int = 0
     output_ids: list[int] = field(default_factory=list)
+    # With SamplingParams.logprobs: one entry per output token, booked with it. With prompt_logprobs: one per prompt
+    # token, the first None (nothing predicts it), filled as the prompt's chunks are booked.
+    output_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
     # Tokens sampled by launched steps that are not booked yet (in output_ids): with overlap scheduling, the step in
     # flight's; they are on the device (ModelRunner.last_tokens), where the next decode step reads them.
     tokens_in_flight: int = 0
@@ -324,3 +345,6 @@ class Output:
     cached_tokens: int
     finish_reason: FinishReason
     error: str | None = None
+    # Asked for in SamplingParams (logprobs, prompt_logprobs): as Req's, else None.
+    logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None

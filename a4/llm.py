@@ -135,4 +135,6 @@ def _output(req: Req) -> Output:
         cached_tokens=req.prefix_hit_len,
         finish_reason=req.finish_reason,
         error=req.error,
+        logprobs=None if req.sampling_params.logprobs is None else list(req.output_logprobs),
+        prompt_logprobs=None if req.sampling_params.prompt_logprobs is None else list(req.prompt_logprobs),
     )

@@ -2,9 +2,10 @@
 
 `hf_greedy` (and `hf_greedy_with_logits`, which also returns the logits that chose each token) is the reference of
 every token-by-token check; `hf_token_ranks` ranks another system's tokens under transformers' logits, for bfloat16,
-where rounding makes token-by-token equality the wrong test. `hf_prefill_capture` and `hf_decode_capture` record,
-for one sequence, what each decoder layer's mixer (self_attn / linear_attn) and MLP read and wrote, the logits and
-the cache transformers keeps (keys after k_norm and RoPE, GDN conv and recurrent states), for layer-level checks.
+where rounding makes token-by-token equality the wrong test; `hf_log_softmax` is the reference of logprobs.
+`hf_prefill_capture` and `hf_decode_capture` record, for one sequence, what each decoder layer's mixer (self_attn /
+linear_attn) and MLP read and wrote, the logits and the cache transformers keeps (keys after k_norm and RoPE, GDN
+conv and recurrent states), for layer-level checks.
 
 transformers swaps in flash-linear-attention and causal-conv1d kernels when they are importable, which changes the
 numerics; this module refuses to run if either is installed. Attention runs with transformers' "eager"
@@ -98,6 +99,14 @@ def hf_greedy_with_logits(
     model = cached_hf_model(model_dir, dtype)
     generated = _greedy_generate(model, prompt, max_new_tokens, output_logits=True, return_dict_in_generate=True)
     return generated.sequences[0, len(prompt) :].tolist(), torch.cat(generated.logits).float()
+
+
+def hf_log_softmax(model_dir: str | Path, token_ids: list[int], dtype: str | torch.dtype = "float32") -> torch.Tensor:
+    """transformers' log-probabilities along one sequence: log-softmax of its float32 logits, [len(token_ids), vocab];
+    row i scores the token at position i + 1 (the reference of a4's logprobs and prompt logprobs)."""
+    model = cached_hf_model(model_dir, dtype)
+    with torch.no_grad():
+        return torch.log_softmax(model(torch.tensor([token_ids])).logits[0].float(), dim=-1)
 
 
 def hf_token_ranks(

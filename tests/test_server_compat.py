@@ -36,10 +36,6 @@ REFUSED = [
     ("chat", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      "messages.0.content", "only 'text' parts"),
     ("completions", {"n": 2, "best_of": 3}, "best_of", "not supported"),
-    ("completions", {"logprobs": 2}, "logprobs", "not supported"),
-    ("completions", {"echo": True}, "echo", "not supported"),
-    ("chat", {"logprobs": True}, "logprobs", "not supported"),
-    ("chat", {"top_logprobs": 2}, "top_logprobs", "not supported"),
     ("chat", {"response_format": {"type": "json_object"}}, "response_format", "not supported"),
 ]
 

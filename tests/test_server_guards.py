@@ -115,13 +115,16 @@ def chat_prompt(tokenizer, messages) -> list[int]:
 # ------------------------------------------------------------------------------------------------------ API key
 
 
-def test_the_v1_routes_need_the_api_key_health_and_metrics_do_not(server):
+def test_the_v1_and_tokenizer_routes_need_the_api_key_health_and_metrics_do_not(server):
     base_url, _ = server
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
         for response in (httpx.get(f"{base_url}/v1/models", headers=headers),
                          httpx.get(f"{base_url}/v1/models/{MODEL}", headers=headers),
-                         httpx.post(f"{base_url}/v1/completions", json={"prompt": "x"}, headers=headers)):  # fmt: skip
+                         httpx.post(f"{base_url}/v1/completions", json={"prompt": "x"}, headers=headers),
+                         httpx.post(f"{base_url}/tokenize", json={"prompt": "x"}, headers=headers),
+                         httpx.post(f"{base_url}/detokenize", json={"tokens": [5]}, headers=headers)):  # fmt: skip
             assert assert_error(response, 401, None)["code"] == "invalid_api_key"
+    assert httpx.post(f"{base_url}/tokenize", json={"prompt": "x"}, headers=AUTH).json()["count"] == 1
     with pytest.raises(openai.AuthenticationError):
         client(base_url, "wrong").models.list()
     assert [model.id for model in client(base_url, KEY).models.list().data] == [MODEL]

@@ -40,7 +40,7 @@ from a4.engine.model_runner import ModelRunner
 from a4.engine.sampling import Sampler
 from a4.engine.speculative_worker import SpeculativeWorker
 from a4.engine.stats import EngineStats
-from a4.engine.validation import check_sampling_params, prompt_error, sampling_error
+from a4.engine.validation import check_sampling_params, logprobs_error, prompt_error, sampling_error
 from a4.engine.worker import LaunchedStep, ModelWorker
 from a4.kvcache.radix_cache import NoPrefixCache
 from a4.models.registry import load_model
@@ -202,7 +202,11 @@ class Engine:
         """A request of this engine, finished at once with its error if it can never run."""
         req = Req(uid=self._next_uid, input_ids=list(input_ids), sampling_params=sampling_params)
         self._next_uid += 1
-        error = self._prompt_error(req.input_ids) or self.sampling_error(sampling_params)
+        error = (
+            self._prompt_error(req.input_ids)
+            or self.sampling_error(sampling_params)
+            or logprobs_error(sampling_params, self.config.speculative_tokens)
+        )
         if error is not None:
             req.finished, req.finish_reason, req.error = True, "error", error
             return req
@@ -279,7 +283,9 @@ class Engine:
     def _book(self, step: LaunchedStep) -> list[Req]:
         """Book a launched step with the scheduler: its tokens, its finishes."""
         next_tokens, errors = step.result()
+        output_lens = [len(req.output_ids) for req in step.batch.reqs]
         finished = self.scheduler.process_batch_output(step.batch, next_tokens, errors)
+        step.book_logprobs(output_lens)
         self.worker.booked(step)
         for req in finished:
             self.sampler.remove_req(req)

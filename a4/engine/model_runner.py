@@ -29,6 +29,7 @@ from a4.engine.config import EngineConfig
 from a4.engine.factories import create_backends, create_kv_pool, create_memory_plan, create_state_pool
 from a4.engine.forward_batch import build_forward_batch
 from a4.engine.graph_runner import GraphRunner
+from a4.engine.logprobs import prompt_logprob_rows
 from a4.kvcache.allocator import PageAllocator
 from a4.models.config import ModelConfig
 from a4.scheduler.cache import pages_for
@@ -137,16 +138,17 @@ class ModelRunner:
     def forward(self, batch: Batch, input_ids: list[int] | None = None, every_row: bool = False) -> ModelOutput:
         """Run the model on the batch's tokens: the requests' next ones unless `input_ids` gives them (a verify
         step: last tokens and drafts). The rows returned are the last of each sampled request (their logits
-        predict its next token), or with `every_row` all of them (a speculative engine's drafter reads them)."""
+        predict its next token), then the prompt rows that score prompt tokens for the requests that ask for prompt
+        logprobs (logprobs.py), or with `every_row` all of them (a speculative engine's drafter reads them)."""
         mode = forward_mode(batch)
         reqs, extend_lens, prefix_lens = batch.reqs, batch.extend_lens, batch.prefix_lens
         state_slots = None
         if input_ids is None:
             input_ids, state_slots = self._inputs(batch)
         runner = self.graph_runner
-        if mode is ForwardMode.EXTEND and runner is not None and not every_row and runner.takes_prefill(
-            prefix_lens, extend_lens
-        ):
+        prompt_rows = prompt_logprob_rows(batch) if mode is ForwardMode.EXTEND and not every_row else []
+        static_prefill = mode is ForwardMode.EXTEND and runner is not None and not every_row and not prompt_rows
+        if static_prefill and runner.takes_prefill(prefix_lens, extend_lens):
             hidden, logits = runner.prefill(input_ids, reqs[0].slot)
             rows = int(batch.sample[0])  # a chunk that does not end its prompt samples nothing
             return ModelOutput(hidden[:rows], logits[:rows])
@@ -159,6 +161,7 @@ class ModelRunner:
         else:
             ends = itertools.accumulate(extend_lens)
             sample_indices = [end - 1 for end, sampled in zip(ends, batch.sample) if sampled]
+            sample_indices += [r.first_row + j for r in prompt_rows for j in range(r.count)]
         slots = [req.slot for req in reqs]
         fb = self.forward_batch(mode, input_ids, slots, prefix_lens, extend_lens, sample_indices, state_slots)
         return ModelOutput(*self.model(fb, with_hidden=True))

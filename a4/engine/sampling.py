@@ -23,6 +23,9 @@ token of the step still in flight under overlap scheduling, which the host does 
 on the device, one row per penalized request, and each step adds its sampled tokens to them there (SGLang's
 penalizers keep their state the same way). min_p is a cut of the sampled distribution, after the temperature.
 
+A request that asks for log-probabilities (SamplingParams.logprobs) gets its token's and the most likely tokens', from
+the same logits before any temperature or cut (logprobs.py); the others cost nothing more.
+
 A speculative engine (speculative_worker.py) verifies a sampled request's drafts against the very distribution this
 sampler draws from (`sampling_distribution`), with random numbers from the request's own generator (`generator`).
 """
@@ -31,12 +34,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
 
-from a4.core import Req, SamplingParams, to_device
+from a4.core import Batch, Req, SamplingParams, TokenLogprobs, to_device
+from a4.engine.logprobs import PendingLogprobs, PromptLogprobs, PromptRows, compute_logprobs
 
 
 class Sample(NamedTuple):
@@ -53,6 +57,19 @@ class SampledTokens:
     logits: torch.Tensor  # [S, vocab]: kept to say what is wrong with a row that is not finite
     _host: torch.Tensor  # [2, S]: tokens and row finiteness, filled by a non-blocking copy
     _copied: torch.cuda.Event | None  # recorded after that copy (None on the CPU: the copy is done)
+    # The log-probabilities of the rows whose request asks for them (SamplingParams.logprobs): those rows, each one's
+    # number of most likely tokens, and the values on their way to the host.
+    logprob_rows: list[int] = field(default_factory=list)
+    logprob_ks: list[int] = field(default_factory=list)
+    logprobs: PendingLogprobs | None = None
+
+    def token_logprobs(self) -> list[TokenLogprobs | None]:
+        """Per row: its token's log-probabilities, None where its request did not ask."""
+        per_row: list[TokenLogprobs | None] = [None] * len(self.tokens)
+        if self.logprobs is not None:
+            for row, entry in zip(self.logprob_rows, self.logprobs.result(self.logprob_ks)):
+                per_row[row] = entry
+        return per_row
 
     def result(self) -> list[Sample]:
         """Wait for the copy; one token (or an error) per row."""
@@ -101,12 +118,28 @@ class Sampler:
             self.logits_processors.cumulate_output_tokens(rows, tokens)
         packed = torch.stack([tokens, finite.long()])
         if self.device.type != "cuda":
-            return SampledTokens(tokens, logits, packed, None)
-        host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
-        host.copy_(packed, non_blocking=True)
-        copied = torch.cuda.Event()
-        copied.record()
-        return SampledTokens(tokens, logits, host, copied)
+            sampled = SampledTokens(tokens, logits, packed, None)
+        else:
+            host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+            host.copy_(packed, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record()
+            sampled = SampledTokens(tokens, logits, host, copied)
+        self._token_logprobs(sampled, reqs)
+        return sampled
+
+    def prompt_logprobs(self, logits: torch.Tensor, batch: Batch, rows: list[PromptRows]) -> PromptLogprobs:
+        """The prompt tokens' log-probabilities of the requests that ask, from logits [R, vocab] of `rows`."""
+        return PromptLogprobs.launch(logits, batch, rows)
+
+    def _token_logprobs(self, sampled: SampledTokens, reqs: list[Req]) -> None:
+        """The sampled tokens' log-probabilities, for the rows whose request asks (none: nothing is computed)."""
+        rows = [i for i, req in enumerate(reqs) if req.sampling_params.logprobs is not None]
+        if rows:
+            sampled.logprob_rows = rows
+            sampled.logprob_ks = [reqs[i].sampling_params.logprobs for i in rows]
+            index = to_device(rows, self.device)
+            sampled.logprobs = compute_logprobs(sampled.logits[index], sampled.tokens[index], max(sampled.logprob_ks))
 
     def _draw(self, logits: torch.Tensor, req: Req, finite: torch.Tensor) -> torch.Tensor:
         probs = sampling_distribution(logits, req.sampling_params)

@@ -78,7 +78,8 @@ class SpeculativeWorker(ModelWorker):
         next_tokens, errors, accepted = self._accept(batch, drafts, out.logits)
         drafted = sum(t >= 0 for d in drafts for t in d)
         committed = [len(tokens) for tokens in next_tokens]
-        return VerifiedStep(batch, None, (next_tokens, errors), drafted, accepted, committed, out.hidden)
+        return VerifiedStep(batch, None, (next_tokens, errors), drafted, accepted, committed=committed,
+                            hidden=out.hidden)
 
     def booked(self, step: VerifiedStep) -> None:
         self._observe(step.batch, step.committed, step.hidden)

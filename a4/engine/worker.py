@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from a4.core import Batch
+from a4.engine.logprobs import PromptLogprobs, prompt_logprob_rows
 from a4.engine.model_runner import ModelRunner
 from a4.engine.sampling import SampledTokens, Sampler
 
@@ -31,6 +32,8 @@ class LaunchedStep:
     verified: tuple[list, list] | None = None
     draft_tokens: int = 0
     accepted_draft_tokens: int = 0
+    # The prompt logprobs of the chunks it fed, for the requests that ask (SamplingParams.prompt_logprobs).
+    prompt_logprobs: PromptLogprobs | None = None
 
     def result(self) -> tuple[list, list[str | None]]:
         """Per request of the batch: its new token (a list of them for a verify step, None for a chunk that does
@@ -41,6 +44,19 @@ class LaunchedStep:
         next_tokens, errors = zip(*(next(samples) if sampled else (None, None) for sampled in self.batch.booked_sample))
         return list(next_tokens), list(errors)
 
+    def book_logprobs(self, output_lens: list[int]) -> None:
+        """Give the batch's requests the log-probabilities they asked for, once the step is booked: of the prompt
+        tokens it fed, and of its token where the booking kept it (a request's output grew from output_lens)."""
+        reqs = self.batch.reqs
+        if self.prompt_logprobs is not None:
+            self.prompt_logprobs.book(reqs)
+        if self.samples is None or self.samples.logprobs is None:
+            return
+        sampled = [(req, n) for req, n, sampled in zip(reqs, output_lens, self.batch.sample) if sampled]
+        for (req, output_len), entry in zip(sampled, self.samples.token_logprobs()):
+            if entry is not None and len(req.output_ids) > output_len:
+                req.output_logprobs.append(entry)
+
 
 class ModelWorker:
     def __init__(self, runner: ModelRunner, sampler: Sampler) -> None:
@@ -50,8 +66,14 @@ class ModelWorker:
         """Run the batch's forward and sample its sampled requests' next tokens, on the device."""
         logits = self.runner.forward(batch).logits
         sampled_reqs = [req for req, sampled in zip(batch.reqs, batch.sample) if sampled]
+        # The runner returns the rows that score prompt tokens after the sampled ones.
+        prompt_rows = prompt_logprob_rows(batch) if batch.phase in ("prefill", "mixed") else []
+        prompt_logprobs = None
+        if prompt_rows:
+            prompt_logprobs = self.sampler.prompt_logprobs(logits[len(sampled_reqs) :], batch, prompt_rows)
         if not sampled_reqs:
-            return LaunchedStep(batch, None)
+            return LaunchedStep(batch, None, prompt_logprobs=prompt_logprobs)
+        logits = logits[: len(sampled_reqs)]
         if batch.forks:
             # Each fork draws its first token from its prompt's logits: their rows again, after the batch's own.
             logits_row = {row: i for i, row in enumerate(r for r, sampled in enumerate(batch.sample) if sampled)}
@@ -59,7 +81,7 @@ class ModelWorker:
             sampled_reqs += [fork for _, fork in batch.forks]
         samples = self.sampler.sample(logits, sampled_reqs)
         self.runner.keep_last_tokens(sampled_reqs, samples.tokens)
-        return LaunchedStep(batch, samples)
+        return LaunchedStep(batch, samples, prompt_logprobs=prompt_logprobs)
 
     def booked(self, step: LaunchedStep) -> None:
         """The step is booked (the speculative worker's drafter catches up here)."""

@@ -70,8 +70,11 @@ class CacheManager:
 
     def match_req(self, req: Req) -> MatchResult:
         # The last prompt token is never matched: the model must run on at least one token to produce the logits
-        # that the first output token is sampled from.
-        return self.prefix_cache.match_prefix(req.input_ids[: len(req.input_ids) - 1])
+        # that the first output token is sampled from. A request that asks for prompt logprobs needs the logits of
+        # every prompt position, which a cached prefix does not have: it matches nothing (as in vLLM), and its KV
+        # still enters the cache for others.
+        matched = 0 if req.sampling_params.prompt_logprobs is not None else len(req.input_ids) - 1
+        return self.prefix_cache.match_prefix(req.input_ids[:matched])
 
     def lock(self, handle: CacheHandle) -> None:
         self.prefix_cache.lock(handle)

@@ -4,6 +4,8 @@
     GET  /v1/models/{id}       it, by name
     POST /v1/completions       prompts as text or token ids, one choice each
     POST /v1/chat/completions  messages, rendered by the checkpoint's chat template (prompts.py)
+    POST /tokenize             a text or messages as the two routes above encode them (vLLM's route and bodies)
+    POST /detokenize           token ids as text
     GET  /health               200 while the engine loop runs
     GET  /metrics              Prometheus text (metrics.py)
 
@@ -12,7 +14,9 @@ here (the engine's own `prompt_error`: empty, outside the vocabulary, longer tha
 prompt (`n`) is one engine request (the samples of a prompt share its prefill), submitted to the engine loop, whose text comes back as it becomes final (the loop detokenizes and
 applies the stop strings). The response waits for the first piece of every prompt, so that a request the engine
 refuses is still a plain 400; then it is one JSON body, or with `stream: true` server-sent events ending in
-`data: [DONE]`. A client that disconnects, while waiting or while streaming, aborts its requests.
+`data: [DONE]`. A client that disconnects, while waiting or while streaming, aborts its requests. Logprobs come with
+the pieces they belong to (logprobs.py writes them in OpenAI's shapes); a completion with `echo` opens each choice
+with its prompt, and its prompt's logprobs when it asks for logprobs.
 
 Errors are OpenAI's shape (errors.py): 400 for a bad body, 401 without the API key (auth.py), 404 for an unknown
 model or route, 408 / 413 for a body too slow or too large (limits.py), 503 with Retry-After when the engine loop's
@@ -27,31 +31,37 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Iterable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
-from fastapi import FastAPI, Request
+from fastapi import Body, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from a4.core import SamplingParams
+from a4.core import SamplingParams, TokenLogprobs
 from a4.engine.validation import prompt_error
 from a4.server.auth import APIKeyMiddleware
 from a4.server.engine_loop import EngineLoop, RequestStream, Unavailable
 from a4.server.errors import APIError, unavailable
 from a4.server.limits import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_REQUEST_TIMEOUT, RequestLimitsMiddleware
+from a4.server.logprobs import LogprobsFormatter, Scored
 from a4.server.prompts import PromptEncoder
 from a4.server.protocol import (
     FINISH_REASONS,
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
     ErrorResponse,
     GenerationRequest,
     ModelCard,
     ModelList,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    TokenizeResponse,
     UsageInfo,
 )
 from a4.server.render import ChatRender, CompletionRender, Render
@@ -68,11 +78,14 @@ class ClientGone(Exception):
 
 @dataclass(frozen=True)
 class Piece:
-    """Text of a request that is final, its usage so far, and with the last piece, why it ended."""
+    """Text of a request that is final, its usage so far, and with the last piece, why it ended. With logprobs asked
+    for: those of the tokens it counts anew, and in the first piece the prompt's (the first None)."""
 
     text: str
     usage: UsageInfo
     finish_reason: str | None = None
+    logprobs: Scored = ()
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 class Pieces:
@@ -91,7 +104,8 @@ class Pieces:
             raise self._failed(output.finish_reason, output.error)
         self._num_tokens = output.num_tokens
         usage = UsageInfo.of(self._num_prompt_tokens, output.num_tokens, output.cached_tokens)
-        return Piece(output.text, usage, FINISH_REASONS.get(output.finish_reason))
+        logprobs = [(entry.token_id, entry) for entry in output.logprobs]
+        return Piece(output.text, usage, FINISH_REASONS.get(output.finish_reason), logprobs, output.prompt_logprobs)
 
     async def rest(self, first: Piece) -> list[Piece]:
         """The pieces after `first` (none if `first` was the last)."""
@@ -182,11 +196,22 @@ def create_app(
         if len(body.prompts) * body.n > engine_loop.capacity:
             raise APIError(400, f"prompt: {len(body.prompts)} prompts of {body.n} samples in one request, more than the "
                                 f"server holds at once ({engine_loop.capacity}): send fewer", param="prompt")  # fmt: skip
+        if body.echo and body.logprobs is not None and body.n > 1:
+            # The n samples fork after one prefill, which scored the prompt once: its logprobs open the first choice.
+            raise APIError(400, "n: echo with logprobs takes one sample of each prompt (n: 1)", param="n")
+        if body.max_tokens == 0 and not body.echo:
+            raise APIError(400, "max_tokens: must be at least 1 (0 only with echo: true, the prompt alone)",
+                           param="max_tokens")  # fmt: skip
         prompts = [await run_in_threadpool(checked_prompt, encoder.text if isinstance(p, str) else list, p)
                    for p in body.prompts]  # fmt: skip
-        render = CompletionRender(f"cmpl-{uuid.uuid4().hex}", model_name)
+        formatter = logprobs_formatter(body.logprobs)
+        render = CompletionRender(f"cmpl-{uuid.uuid4().hex}", model_name, formatter)
+        echoes = None
+        if body.echo:
+            texts = [p if isinstance(p, str) else tokenizer.decode(ids) for p, ids in zip(body.prompts, prompts)]
+            echoes = [Echo(ids, text, body.echo_only) for ids, text in zip(prompts, texts)]
         # OpenAI's default for completions: 16 tokens.
-        return await respond(request, body, prompts, render, default_max_tokens=16)
+        return await respond(request, body, prompts, render, default_max_tokens=16, echoes=echoes)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
@@ -195,9 +220,43 @@ def create_app(
             raise APIError(400, f"model {model_name!r} has no chat template: use /v1/completions", param="messages")
         messages = [message.template_message() for message in body.messages]
         prompt = await run_in_threadpool(checked_prompt, encoder.chat, messages, param="messages")
-        render = ChatRender(f"chatcmpl-{uuid.uuid4().hex}", model_name, body.n)
+        render = ChatRender(f"chatcmpl-{uuid.uuid4().hex}", model_name, body.n,
+                            logprobs_formatter((body.top_logprobs or 0) if body.logprobs else None))  # fmt: skip
         # OpenAI's default for chat: up to the context's end (the engine stops there).
         return await respond(request, body, [prompt], render, default_max_tokens=engine.max_context_len)
+
+    @app.post("/tokenize")
+    async def tokenize(body: dict[str, Any] = Body()) -> TokenizeResponse:
+        # vLLM's two bodies, told apart by their prompt field (a union's errors would name both models).
+        parsed = validated(TokenizeChatRequest if "messages" in body else TokenizeCompletionRequest, body)
+        check_model(parsed.model)
+        if isinstance(parsed, TokenizeChatRequest):
+            if not encoder.has_chat_template:
+                raise APIError(400, f"model {model_name!r} has no chat template", param="messages")
+            messages = [message.template_message() for message in parsed.messages]
+            ids = await run_in_threadpool(encoded, encoder.chat, messages, parsed.add_generation_prompt,
+                                          param="messages")  # fmt: skip
+        else:
+            ids = await run_in_threadpool(encoded, encoder.text, parsed.prompt, parsed.add_special_tokens)
+        return TokenizeResponse(count=len(ids), max_model_len=engine.max_context_len, tokens=ids)
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
+        check_model(body.model)
+        vocab_size = engine.model_config.vocab_size
+        if (bad := next((t for t in body.tokens if not 0 <= t < vocab_size), None)) is not None:
+            raise APIError(400, f"tokens: token id {bad} is outside the vocabulary [0, {vocab_size})", param="tokens")
+        return DetokenizeResponse(prompt=await run_in_threadpool(tokenizer.decode, body.tokens))
+
+    def logprobs_formatter(top: int | None) -> LogprobsFormatter | None:
+        return None if top is None else LogprobsFormatter(tokenizer.backend_tokenizer, top)
+
+    def encoded(encode, prompt, *options, param: str = "prompt") -> list[int]:
+        """encode(prompt, *options), a ValueError of its as a 400 naming `param`."""
+        try:
+            return encode(prompt, *options)
+        except ValueError as e:
+            raise APIError(400, f"{param}: {e}", param=param, code="invalid_prompt") from None
 
     def check_model(name: str | None) -> None:
         if name is not None and name != model_name:
@@ -208,10 +267,7 @@ def create_app(
 
     def checked_prompt(encode, prompt, param: str = "prompt") -> list[int]:
         """The prompt's ids, checked as the engine will (in a worker thread: a long prompt takes a while)."""
-        try:
-            prompt_ids = encode(prompt)
-        except ValueError as e:
-            raise APIError(400, f"{param}: {e}", param=param, code="invalid_prompt") from None
+        prompt_ids = encoded(encode, prompt, param=param)
         error = prompt_error(prompt_ids, engine.model_config, engine.max_context_len, engine.memory_plan.num_tokens)
         if error is not None:
             code = "context_length_exceeded" if len(prompt_ids) >= engine.max_context_len else "invalid_prompt"
@@ -231,8 +287,9 @@ def create_app(
         return params
 
     async def respond(
-        request: Request, body: GenerationRequest, prompts: list[list[int]], render: Render, default_max_tokens: int
-    ) -> Response:
+        request: Request, body: GenerationRequest, prompts: list[list[int]], render: Render, default_max_tokens: int,
+        echoes: list[Echo] | None = None,
+    ) -> Response:  # fmt: skip
         params = checked_sampling_params(body, default_max_tokens)
         pieces: list[Pieces] = []
         streaming = False  # once the stream's generator has the requests, it closes them
@@ -241,13 +298,17 @@ def create_app(
                 for stream in engine_loop.submit(prompt_ids, params, body.stop_strings):
                     pieces.append(Pieces(engine_loop, stream, len(prompt_ids)))
             firsts = await until_disconnected(request, all_of(p.next() for p in pieces))
+            if echoes is not None:
+                # A prompt's echo opens each of its n choices.
+                firsts = [echo.opening(first) for echo, first in zip((e for e in echoes for _ in range(body.n)), firsts)]
             if not body.stream:
                 rests = await until_disconnected(request, all_of(map(Pieces.rest, pieces, firsts)))
-                lasts = [rest[-1] if rest else first for first, rest in zip(firsts, rests)]
-                texts = ["".join(piece.text for piece in [first, *rest]) for first, rest in zip(firsts, rests)]
-                choices = [(text, last.finish_reason) for text, last in zip(texts, lasts)]
-                usage = UsageInfo.total([last.usage for last in lasts], body.n)
-                return JSONResponse(render.response(choices, usage).model_dump())
+                wholes = [[first, *rest] for first, rest in zip(firsts, rests)]
+                texts = ["".join(piece.text for piece in whole) for whole in wholes]
+                choices = [(text, whole[-1].finish_reason) for text, whole in zip(texts, wholes)]
+                logprobs = [[scored for piece in whole for scored in piece.logprobs] for whole in wholes]
+                usage = UsageInfo.total([whole[-1].usage for whole in wholes], body.n)
+                return JSONResponse(render.response(choices, usage, logprobs).model_dump())
         except ClientGone:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         except APIError as error:
@@ -262,6 +323,27 @@ def create_app(
                     p.close()
 
     return app
+
+
+@dataclass(frozen=True)
+class Echo:
+    """A completion's prompt, opening its choice (`echo`)."""
+
+    prompt_ids: list[int]
+    text: str
+    only: bool  # max_tokens 0: the prompt alone, the token the engine sampled dropped
+
+    def opening(self, first: Piece) -> Piece:
+        """The choice's first piece with the prompt's text and logprobs before it; with `only`, the prompt alone (the
+        first piece is then the last: the engine generated one token)."""
+        prompt = []
+        if first.prompt_logprobs is not None:
+            prompt = list(zip(self.prompt_ids, first.prompt_logprobs, strict=True))
+        if self.only:
+            usage = first.usage
+            usage = UsageInfo.of(usage.prompt_tokens, 0, usage.prompt_tokens_details.cached_tokens)
+            return Piece(self.text, usage, "length", prompt)
+        return Piece(self.text + first.text, first.usage, first.finish_reason, [*prompt, *first.logprobs])
 
 
 async def all_of(awaitables: Iterable[Awaitable[T]]) -> list[T]:
@@ -335,7 +417,7 @@ async def server_sent_events(
             yield event(chunk)
         async for index, piece in events:
             lasts[index] = piece
-            yield event(render.chunk(index, piece.text, piece.finish_reason, usage(piece)))
+            yield event(render.chunk(index, piece.text, piece.finish_reason, usage(piece), piece.logprobs))
         if include_usage:
             yield event(render.usage_chunk(UsageInfo.total([last.usage for last in lasts], n)))
     except APIError as error:
@@ -346,6 +428,14 @@ async def server_sent_events(
         for p in pieces:
             p.close()
     yield "data: [DONE]\n\n"
+
+
+def validated(model: type[BaseModel], body: dict[str, Any]) -> BaseModel:
+    """body as `model`, or the 400 of a body FastAPI had checked against it."""
+    try:
+        return model.model_validate(body)
+    except ValidationError as e:
+        raise RequestValidationError(e.errors()) from None
 
 
 def validation_error(error: RequestValidationError) -> APIError:

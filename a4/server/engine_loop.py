@@ -24,11 +24,11 @@ import logging
 import queue
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tokenizers import Tokenizer
 
-from a4.core import FinishReason, Req, SamplingParams
+from a4.core import FinishReason, Req, SamplingParams, TokenLogprobs
 from a4.course.exercises import not_written_yet, unwritten_exercise
 from a4.engine.engine import Engine
 from a4.server.detokenizer import IncrementalDetokenizer
@@ -51,6 +51,10 @@ class RequestOutput:
     cached_tokens: int  # prompt tokens served by the prefix cache
     finish_reason: FinishReason | None = None
     error: str | None = None
+    # Asked for in SamplingParams: the log-probabilities of the tokens this output counts anew (the first output of
+    # a request: and those of its prompt, the first None).
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 class RequestStream:
@@ -77,6 +81,7 @@ class _Running:
     req: Req
     detokenizer: IncrementalDetokenizer
     num_seen: int = 0  # output tokens already given to the detokenizer
+    num_counted: int = 0  # output tokens already counted in an output (their logprobs sent)
 
 
 class EngineLoop:
@@ -203,11 +208,18 @@ class EngineLoop:
                 self.engine.finish_req(req, "stop")
             elif req.finished and req.finish_reason in ("eos", "length", "stop"):
                 text += detokenizer.finish()
-            if text or req.finished:
+            # A request that asks for logprobs gets each token's as it is booked, whether or not it made text yet.
+            logprobs = req.output_logprobs[running.num_counted : detokenizer.num_tokens]
+            if text or req.finished or logprobs:
                 # A stop string found in the tokens of the step that finished the request anyway ends it too.
                 finish_reason = "stop" if detokenizer.stopped else req.finish_reason
                 num_tokens = detokenizer.num_tokens + (stop_token and not detokenizer.stopped)
-                output = RequestOutput(text, num_tokens, req.prefix_hit_len, finish_reason, req.error)
+                prompt_logprobs = None
+                if running.num_counted == 0 and req.sampling_params.prompt_logprobs is not None:
+                    prompt_logprobs = req.prompt_logprobs
+                output = RequestOutput(text, num_tokens, req.prefix_hit_len, finish_reason, req.error,
+                                       logprobs, prompt_logprobs)  # fmt: skip
+                running.num_counted = detokenizer.num_tokens
                 stream.put(output)
             if req.finished:
                 del self._running[stream]

@@ -40,19 +40,20 @@ class PromptEncoder:
     def has_chat_template(self) -> bool:
         return self.tokenizer.chat_template is not None
 
-    def text(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text)
+    def text(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
-    def chat(self, messages: list[dict[str, str]]) -> list[int]:
-        """The ids of `messages` ({"role", "content"}) rendered with the generation prompt; ValueError if a content
-        holds special-token text and the template does not render contents as they are (then they cannot be told
-        from its own text)."""
-        text = self._render(messages)
+    def chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+        """The ids of `messages` ({"role", "content"}) rendered with the generation prompt (unless told not to);
+        ValueError if a content holds special-token text and the template does not render contents as they are (then
+        they cannot be told from its own text)."""
+        text = self._render(messages, add_generation_prompt)
         if self.enable_special_tokens_in_messages or not any(self._has_special_text(m["content"]) for m in messages):
             # The template writes the special tokens itself.
             return self.tokenizer.encode(text, add_special_tokens=False)
         marker = f"\ue000{uuid.uuid4().hex}:"
-        template = self._render([{**m, "content": f"{marker}{i}\ue000"} for i, m in enumerate(messages)])
+        template = self._render([{**m, "content": f"{marker}{i}\ue000"} for i, m in enumerate(messages)],
+                                add_generation_prompt)
         ids, plain, rendered = [], [], []
         for i, piece in enumerate(re.split(f"{re.escape(marker)}(\\d+)\ue000", template)):
             if i % 2:  # a placeholder's index: the content goes in as text
@@ -73,8 +74,8 @@ class PromptEncoder:
             )
         return ids
 
-    def _render(self, messages: list[dict[str, str]]) -> str:
-        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    def _render(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
 
     def _has_special_text(self, content: str) -> bool:
         return self._special_text is not None and self._special_text.search(content) is not None

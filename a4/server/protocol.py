@@ -4,15 +4,18 @@ responses.
 Requests are strict: a field of the wrong type (`"max_tokens": "10"`), out of range (`max_tokens` <= 0, a
 non-finite `temperature`, a `top_p` that float32 rounds to 0), unknown (a typo such as `max_token`) or text that is
 not valid Unicode (a lone surrogate, `"\\ud800"`) is refused with a 400 naming it, never coerced or ignored; so are
-the fields a4 does not implement yet (`best_of` other than n, `logprobs`, `echo`, `response_format` other than
-text), each saying so. `ignore_eos`, `top_k`, `repetition_penalty`, `min_p`, `min_tokens`, `stop_token_ids` and
+the fields a4 does not implement yet (`best_of` other than n, `response_format` other than text), each saying so.
+`ignore_eos`, `top_k`, `repetition_penalty`, `min_p`, `min_tokens`, `stop_token_ids` and
 `stream_options.continuous_usage_stats` are the extensions SGLang and vLLM accept too. A completion's `prompt` may be
-several prompts (texts, or lists of token ids), `n` choices each.
+several prompts (texts, or lists of token ids), `n` choices each. Log-probabilities (completions: `logprobs: k`, with
+`echo` the prompt's too; chat: `logprobs: true, top_logprobs: k`) list at most MAX_LOGPROBS most likely tokens,
+vLLM's default bound. `/tokenize` and `/detokenize` take vLLM's bodies.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import Any, Literal
 
 import numpy as np
@@ -23,6 +26,7 @@ from a4.core import SamplingParams
 # The engine's reasons (a4.core.FinishReason) in OpenAI's words; "error" and "abort" become errors instead.
 FINISH_REASONS = {"eos": "stop", "length": "length", "stop": "stop"}
 MAX_SEED = 2**63 - 1  # SamplingParams' bound
+MAX_LOGPROBS = 20  # OpenAI's bound on top_logprobs, and vLLM's default max_logprobs
 
 
 def _unicode_text(text: str) -> str:
@@ -171,8 +175,12 @@ Prompt = str | list[int]  # text, or token ids
 class CompletionRequest(GenerationRequest):
     # One prompt (text or token ids) or several (a list of texts, or of lists of token ids): one choice each.
     prompt: Prompt | list[Prompt]
-    logprobs: int | None = None
+    # Each token's logprob and the `logprobs` most likely tokens'; with `echo`, the prompt's tokens' too.
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    # The prompt before the completion in each choice's text (and logprobs). With max_tokens 0, the prompt alone:
+    # lm-eval's log-likelihood requests (the engine samples one token, dropped, as vLLM does).
     echo: bool = False
+    max_tokens: int | None = Field(None, ge=0)  # 0 only with echo (`echo_only`)
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -192,19 +200,19 @@ class CompletionRequest(GenerationRequest):
                 _unicode_text(text)
         return prompt
 
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, logprobs: int | None) -> int | None:
-        if logprobs is not None:
-            raise _not_supported()
-        return logprobs
+    @property
+    def echo_only(self) -> bool:
+        """echo with max_tokens 0: each choice is its prompt, nothing generated."""
+        return self.echo and self.max_tokens == 0
 
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, echo: bool) -> bool:
-        if echo:
-            raise _not_supported()
-        return echo
+    @property
+    def max_new_tokens(self) -> int | None:
+        return 1 if self.echo_only else self.max_tokens
+
+    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
+        prompt_logprobs = self.logprobs if self.echo else None
+        return replace(super().sampling_params(default_max_tokens), logprobs=self.logprobs,
+                       prompt_logprobs=prompt_logprobs)  # fmt: skip
 
     @property
     def prompts(self) -> list[Prompt]:
@@ -248,8 +256,8 @@ class ChatMessage(StrictModel):
 class ChatCompletionRequest(GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, gt=0)  # OpenAI's newer name for max_tokens
-    logprobs: bool = False
-    top_logprobs: int | None = None
+    logprobs: bool = False  # each output token's logprob
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # and the k most likely tokens' (needs logprobs)
     response_format: dict[str, Any] | None = None
 
     @field_validator("max_completion_tokens")
@@ -259,12 +267,12 @@ class ChatCompletionRequest(GenerationRequest):
             raise ValueError("give max_tokens or max_completion_tokens, not both")
         return max_completion_tokens
 
-    @field_validator("logprobs", "top_logprobs")
+    @field_validator("top_logprobs")
     @classmethod
-    def _no_logprobs(cls, value: bool | int | None) -> bool | int | None:
-        if value not in (False, None):
-            raise _not_supported()
-        return value
+    def _with_logprobs(cls, top_logprobs: int | None, info: ValidationInfo) -> int | None:
+        if top_logprobs is not None and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs needs logprobs: true")
+        return top_logprobs
 
     @field_validator("response_format")
     @classmethod
@@ -276,6 +284,10 @@ class ChatCompletionRequest(GenerationRequest):
     @property
     def max_new_tokens(self) -> int | None:
         return self.max_tokens or self.max_completion_tokens
+
+    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        return replace(super().sampling_params(default_max_tokens), logprobs=logprobs)
 
 
 # ---------------------------------------------------------------------------------------------------------- responses
@@ -311,11 +323,20 @@ class UsageInfo(BaseModel):
         )
 
 
+class CompletionLogprobs(BaseModel):
+    """Per token of a choice (an echoed prompt's first: logprob and top_logprobs null)."""
+
+    text_offset: list[int]  # where the token's text starts in the choice's text
+    token_logprobs: list[float | None]
+    tokens: list[str]
+    top_logprobs: list[dict[str, float] | None]  # the token's own and the k most likely: text -> logprob
+
+
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
     finish_reason: Literal["stop", "length"] | None = None
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
 
 
 class Response(BaseModel):
@@ -339,10 +360,25 @@ class AssistantMessage(BaseModel):
     content: str
 
 
+class ChatTopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]  # the token's text in UTF-8
+
+
+class ChatTokenLogprob(ChatTopLogprob):
+    top_logprobs: list[ChatTopLogprob]  # the k most likely tokens, most likely first
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob]
+
+
 class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
     finish_reason: Literal["stop", "length"]
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletionResponse(Response):
@@ -360,6 +396,7 @@ class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: DeltaMessage
     finish_reason: Literal["stop", "length"] | None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletionChunk(Response):
@@ -379,6 +416,43 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class TokenizeCompletionRequest(StrictModel):
+    """POST /tokenize of a text (vLLM's body)."""
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+
+    @field_validator("prompt")
+    @classmethod
+    def _unicode_prompt(cls, prompt: str) -> str:
+        return _unicode_text(prompt)
+
+
+class TokenizeChatRequest(StrictModel):
+    """POST /tokenize of messages, rendered by the chat template as /v1/chat/completions renders them (vLLM's
+    body; its `add_special_tokens` is False: the template writes them)."""
+
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool = True
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeRequest(StrictModel):
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
 
 
 class ErrorInfo(BaseModel):
