@@ -12,9 +12,12 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol
 
 import torch
+
+if TYPE_CHECKING:
+    import xgrammar
 
 
 FinishReason = Literal["eos", "length", "stop", "error", "abort"]
@@ -32,6 +35,9 @@ class SamplingParams:
     top_p: float = 1.0  # 1: no nucleus cut
     seed: int | None = None
     ignore_eos: bool = False
+    # Structured output: the grammar the output follows (a4/engine/grammar.py), compiled beforehand (the server
+    # does it in a worker thread, where a bad schema is a 400); None: free text. The engine checks it on arrival.
+    grammar: xgrammar.CompiledGrammar | None = None
 
     def __post_init__(self) -> None:
         _check_int("max_new_tokens", self.max_new_tokens, low=1)

@@ -42,7 +42,6 @@ REFUSED = [
     ("completions", {"echo": True}, "echo", "not supported"),
     ("chat", {"logprobs": True}, "logprobs", "not supported"),
     ("chat", {"top_logprobs": 2}, "top_logprobs", "not supported"),
-    ("chat", {"response_format": {"type": "json_object"}}, "response_format", "not supported"),
 ]
 
 

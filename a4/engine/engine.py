@@ -35,6 +35,7 @@ from a4.core import Batch, Req, SamplingParams
 from a4.engine.tp_driver import TPDriver
 from a4.engine.config import EngineConfig
 from a4.engine.factories import create_prefix_cache
+from a4.engine.grammar import grammar_error
 from a4.engine.memory_plan import MemoryLedger, MemoryPlan
 from a4.engine.model_runner import ModelRunner
 from a4.engine.sampling import Sampler
@@ -173,7 +174,9 @@ class Engine:
         with self.serving():
             req = Req(uid=self._next_uid, input_ids=list(input_ids), sampling_params=sampling_params)
             self._next_uid += 1
-            error = self._prompt_error(req.input_ids)
+            error = self._prompt_error(req.input_ids) or grammar_error(
+                sampling_params, self.model_config, self.config.speculative_tokens
+            )
             if error is not None:
                 req.finished, req.finish_reason, req.error = True, "error", error
                 return req

@@ -16,6 +16,9 @@ Sampling never waits for the device: `sample` returns the tokens as a device ten
 there) and starts one non-blocking copy of them, with each row's finiteness, to the host; `SampledTokens.result()`
 waits for that copy alone. So the engine can launch the next step before it books this one (overlap scheduling).
 
+A request with a grammar (structured output, grammar.py) samples from logits whose tokens the grammar forbids are
+-inf: `apply_grammar_masks`, on the device, before the sampler picks.
+
 A speculative engine (speculative_worker.py) verifies a sampled request's drafts against the very distribution this
 sampler draws from (`sampling_distribution`), with random numbers from the request's own generator (`generator`).
 """
@@ -28,6 +31,7 @@ from typing import NamedTuple
 import torch
 
 from a4.core import Req, SamplingParams
+from a4.engine.grammar import RequestGrammar, apply_grammar_masks
 
 
 class Sample(NamedTuple):
@@ -58,14 +62,18 @@ class Sampler:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self._generators: dict[int, torch.Generator] = {}
+        self._grammars: dict[int, RequestGrammar] = {}
 
     def add_req(self, req: Req) -> None:
         seed = req.sampling_params.seed
         if seed is not None:
             self._generators[req.uid] = torch.Generator(device=self.device).manual_seed(seed)
+        if req.sampling_params.grammar is not None:
+            self._grammars[req.uid] = RequestGrammar(req.sampling_params.grammar)
 
     def remove_req(self, req: Req) -> None:
         self._generators.pop(req.uid, None)
+        self._grammars.pop(req.uid, None)
 
     def generator(self, req: Req) -> torch.Generator | None:
         """The generator req draws from: its own when it has a seed, else None (torch's default one)."""
@@ -73,19 +81,22 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, reqs: list[Req]) -> SampledTokens:
         """One token per row of logits [len(reqs), vocab] (float32), drawn on the device without waiting for it."""
-        finite = _rows_finite(logits)
+        finite = _rows_finite(logits)  # before the grammars' masks, whose -inf are no fault of the model's
+        grammars = {i: self._grammars[req.uid] for i, req in enumerate(reqs) if req.uid in self._grammars}
+        if grammars:
+            apply_grammar_masks(logits, grammars)
         tokens = logits.argmax(dim=-1)
         for i, req in enumerate(reqs):
             if req.sampling_params.temperature > 0:
                 tokens[i] = self._draw(logits[i], req, finite[i])
         packed = torch.stack([tokens, finite.long()])
         if self.device.type != "cuda":
-            return SampledTokens(tokens, logits, packed, None)
+            return _sampled_by(grammars, SampledTokens(tokens, logits, packed, None))
         host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
         host.copy_(packed, non_blocking=True)
         copied = torch.cuda.Event()
         copied.record()
-        return SampledTokens(tokens, logits, host, copied)
+        return _sampled_by(grammars, SampledTokens(tokens, logits, host, copied))
 
     def _draw(self, logits: torch.Tensor, req: Req, finite: torch.Tensor) -> torch.Tensor:
         probs = sampling_distribution(logits, req.sampling_params)
@@ -93,6 +104,13 @@ class Sampler:
         # GPU, as a device-side assert that ends the process), so it draws from uniform weights instead.
         probs = torch.where(finite, probs, 1.0)
         return torch.multinomial(probs, 1, generator=self.generator(req))[0]
+
+
+def _sampled_by(grammars: dict[int, RequestGrammar], sampled: SampledTokens) -> SampledTokens:
+    """Give each grammar (by row) the step's tokens, for its matcher to accept before its next mask."""
+    for row, grammar in grammars.items():
+        grammar.sampled(sampled, row)
+    return sampled
 
 
 def sampling_distribution(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

@@ -7,7 +7,8 @@
     GET  /health               200 while the engine loop runs
     GET  /metrics              Prometheus text (metrics.py)
 
-A generation request is tokenized in a worker thread (so that the event loop keeps serving meanwhile) and checked
+A generation request is tokenized in a worker thread (so that the event loop keeps serving meanwhile), its
+`response_format` compiled there too (a4/engine/grammar.py: a schema once, then from xgrammar's cache), and checked
 here (the engine's own `prompt_error`: empty, outside the vocabulary, longer than the context); each prompt is one
 engine request, submitted to the engine loop, whose text comes back as it becomes final (the loop detokenizes and
 applies the stop strings). The response waits for the first piece of every prompt, so that a request the engine
@@ -26,7 +27,7 @@ import asyncio
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Iterable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TypeVar
 
 from fastapi import FastAPI, Request
@@ -37,6 +38,7 @@ from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from a4.engine.grammar import GrammarBackend
 from a4.engine.validation import prompt_error
 from a4.server.auth import APIKeyMiddleware
 from a4.server.engine_loop import EngineLoop, RequestStream, Unavailable
@@ -51,6 +53,7 @@ from a4.server.protocol import (
     GenerationRequest,
     ModelCard,
     ModelList,
+    ResponseFormat,
     UsageInfo,
 )
 from a4.server.render import ChatRender, CompletionRender, Render
@@ -123,6 +126,7 @@ def create_app(
     chat messages is read as special tokens (prompts.py)."""
     engine = engine_loop.engine
     encoder = PromptEncoder(tokenizer, enable_special_tokens_in_messages)
+    grammars = GrammarBackend(tokenizer, engine.model_config.vocab_size, engine.model_config.eos_token_ids)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -217,10 +221,22 @@ def create_app(
             raise APIError(400, error, param=param, code=code)
         return prompt_ids
 
+    def compiled_grammar(response_format: ResponseFormat):
+        """The grammar of a JSON response_format (in a worker thread: a new schema takes a while to compile)."""
+        try:
+            if response_format.type == "json_object":
+                return grammars.json_object()
+            return grammars.json_schema(response_format.json_schema.json_schema)
+        except ValueError as e:
+            param = "response_format.json_schema.schema"
+            raise APIError(400, f"{param}: invalid JSON schema: {e}", param=param, code="invalid_schema") from None
+
     async def respond(
         request: Request, body: GenerationRequest, prompts: list[list[int]], render: Render, default_max_tokens: int
     ) -> Response:
         params = body.sampling_params(default_max_tokens)
+        if body.response_format is not None and body.response_format.type != "text":
+            params = replace(params, grammar=await run_in_threadpool(compiled_grammar, body.response_format))
         pieces: list[Pieces] = []
         streaming = False  # once the stream's generator has the requests, it closes them
         try:

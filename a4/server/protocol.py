@@ -4,9 +4,10 @@ responses.
 Requests are strict: a field of the wrong type (`"max_tokens": "10"`), out of range (`max_tokens` <= 0, a
 non-finite `temperature`, a `top_p` that float32 rounds to 0), unknown (a typo such as `max_token`) or text that is
 not valid Unicode (a lone surrogate, `"\\ud800"`) is refused with a 400 naming it, never coerced or ignored; so are
-the fields a4 does not implement yet (`n` > 1, `logprobs`, `echo`, non-zero penalties, `response_format` other than
-text), each saying so. `ignore_eos`, `top_k` and `stream_options.continuous_usage_stats` are the extensions SGLang
-and vLLM accept too. A completion's `prompt` may be several prompts (texts, or lists of token ids), one choice each.
+the fields a4 does not implement yet (`n` > 1, `logprobs`, `echo`, non-zero penalties), each saying so.
+`ignore_eos`, `top_k` and `stream_options.continuous_usage_stats` are the extensions SGLang and vLLM accept too.
+`response_format` (structured output: text, any JSON object, or JSON valid against a schema) is taken by both routes,
+as vLLM does; vLLM's older `guided_json` is not (vLLM has dropped it too). A completion's `prompt` may be several prompts (texts, or lists of token ids), one choice each.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import time
 from typing import Any, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from a4.core import SamplingParams
 
@@ -47,6 +48,26 @@ class StreamOptions(StrictModel):
     continuous_usage_stats: bool = False  # vLLM's: the usage so far in every chunk
 
 
+class JsonSchemaFormat(StrictModel):
+    name: str
+    description: str | None = None
+    # "schema" would shadow a BaseModel attribute.
+    json_schema: dict[str, Any] = Field(alias="schema")
+    # Whether the output must follow the schema exactly: a4 always makes it (as vLLM does).
+    strict: bool | None = None
+
+
+class ResponseFormat(StrictModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> ResponseFormat:
+        if (self.json_schema is not None) != (self.type == "json_schema"):
+            raise ValueError("json_schema is given with type 'json_schema', and only then")
+        return self
+
+
 class GenerationRequest(StrictModel):
     """What completions and chat completions share: the model, sampling and streaming."""
 
@@ -64,6 +85,7 @@ class GenerationRequest(StrictModel):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     user: str | None = None  # an end user's id, for the provider's abuse monitoring: accepted, unused
+    response_format: ResponseFormat | None = None
 
     @field_validator("top_p")
     @classmethod
@@ -109,6 +131,13 @@ class GenerationRequest(StrictModel):
         if penalty != 0:
             raise _not_supported(f": only 0, got {penalty}")
         return penalty
+
+    @field_validator("response_format")
+    @classmethod
+    def _grammar_ends_at_eos(cls, response_format: ResponseFormat | None, info: ValidationInfo) -> ResponseFormat | None:
+        if response_format is not None and response_format.type != "text" and info.data.get("ignore_eos"):
+            raise ValueError("cannot be combined with ignore_eos: the JSON ends with an end-of-sequence token")
+        return response_format
 
     @property
     def stop_strings(self) -> list[str]:
@@ -222,7 +251,6 @@ class ChatCompletionRequest(GenerationRequest):
     max_completion_tokens: int | None = Field(None, gt=0)  # OpenAI's newer name for max_tokens
     logprobs: bool = False
     top_logprobs: int | None = None
-    response_format: dict[str, Any] | None = None
 
     @field_validator("max_completion_tokens")
     @classmethod
@@ -237,13 +265,6 @@ class ChatCompletionRequest(GenerationRequest):
         if value not in (False, None):
             raise _not_supported()
         return value
-
-    @field_validator("response_format")
-    @classmethod
-    def _text_format_only(cls, response_format: dict[str, Any] | None) -> dict[str, Any] | None:
-        if response_format is not None and response_format != {"type": "text"}:
-            raise _not_supported(": only {'type': 'text'}")
-        return response_format
 
     @property
     def max_new_tokens(self) -> int | None:
