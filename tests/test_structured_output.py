@@ -17,12 +17,13 @@ import openai
 import pytest
 import torch
 import xgrammar as xgr
-from server_helpers import MODEL, WAIT_SECONDS, chat_prompt_ids, client
+from server_helpers import MODEL, WAIT_SECONDS, chat_prompt_ids, client, running_server
 
 from a4 import LLM, SamplingParams
 from a4.engine.grammar import GrammarBackend, grammar_error
 from a4.models.config import load_model_config
 from a4.reference import cached_hf_model, hf_greedy
+from a4.server.launch import build_app
 
 # (schema, question): an object with a required string and integer, an enum, an array.
 SCHEMAS = {
@@ -75,13 +76,18 @@ def test_greedy_json_is_transformers_masked_argmax_and_valid(chat_model_dir, tok
             for name in SCHEMAS}  # fmt: skip
     # A request without a grammar in the same batches: transformers' plain greedy output.
     plain = engine.add_request(prompts["object"], SamplingParams(max_new_tokens=MAX_TOKENS))
-    engine.run([*reqs.values(), plain])
+    # A drawn one: whatever it draws, the grammar allows (an array of at most 4 small integers ends within 40 tokens).
+    drawn = engine.add_request(prompts["array"], SamplingParams(max_new_tokens=MAX_TOKENS, temperature=1.0, seed=0,
+                                                                grammar=compiled["array"]))  # fmt: skip
+    engine.run([*reqs.values(), plain, drawn])
     for name, req in reqs.items():
         assert req.finish_reason == "eos", (name, req.finish_reason, tokenizer.decode(req.output_ids))
         assert req.output_ids == masked_greedy_choices(chat_model_dir, compiled[name], prompts[name], req.output_ids)
         value = json.loads(tokenizer.decode(req.output_ids, skip_special_tokens=True))
         jsonschema.validate(value, SCHEMAS[name][0])
     assert plain.output_ids == hf_greedy(chat_model_dir, [prompts["object"]], MAX_TOKENS)[0]
+    assert drawn.finish_reason == "eos"
+    jsonschema.validate(json.loads(tokenizer.decode(drawn.output_ids, skip_special_tokens=True)), SCHEMAS["array"][0])
     assert not engine.has_unfinished_requests
     assert engine.table_manager.available_size == engine.memory_plan.max_running_requests
 
@@ -182,3 +188,13 @@ def test_ignore_eos_with_a_grammar_is_a_400(server):
         client(base_url).completions.create(model=MODEL, prompt="Hi", max_tokens=4, extra_body={
             "ignore_eos": True, "response_format": {"type": "json_object"}})  # fmt: skip
     assert raised.value.param == "response_format" and "ignore_eos" in raised.value.message
+
+
+def test_a_speculative_server_refuses_a_grammar_and_serves_on(chat_model_dir, tokenizer):
+    app = build_app(chat_model_dir, tokenizer, speculative_tokens=1, max_running_requests=2)
+    with running_server(app) as base_url:
+        with pytest.raises(openai.BadRequestError) as raised:
+            client(base_url).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                                     max_tokens=4, response_format={"type": "json_object"})
+        assert raised.value.param == "response_format" and "speculative decoding" in raised.value.message
+        assert client(base_url).completions.create(model=MODEL, prompt="Hi", max_tokens=2).choices[0].text is not None

@@ -38,7 +38,7 @@ from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from a4.engine.grammar import GrammarBackend
+from a4.engine.grammar import GrammarBackend, grammar_error
 from a4.engine.validation import prompt_error
 from a4.server.auth import APIKeyMiddleware
 from a4.server.engine_loop import EngineLoop, RequestStream, Unavailable
@@ -237,6 +237,9 @@ def create_app(
         params = body.sampling_params(default_max_tokens)
         if body.response_format is not None and body.response_format.type != "text":
             params = replace(params, grammar=await run_in_threadpool(compiled_grammar, body.response_format))
+            # What the engine would refuse (a speculative engine), as a 400 naming the field.
+            if error := grammar_error(params, engine.model_config, engine.config.speculative_tokens):
+                raise APIError(400, f"response_format: {error}", param="response_format")
         pieces: list[Pieces] = []
         streaming = False  # once the stream's generator has the requests, it closes them
         try:
