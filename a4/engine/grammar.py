@@ -124,14 +124,14 @@ def apply_grammar_masks(logits: torch.Tensor, grammars: dict[int, RequestGrammar
     is still in this step only because overlap scheduling launched the step before booking the one that finished it,
     and its token here is dropped. Its row is left as it is."""
     host_tokens: dict[int, list] = {}
-    rows = []
-    bitmask = xgr.allocate_token_bitmask(logits.shape[0], logits.shape[-1])
-    for row, grammar in grammars.items():
+    for grammar in grammars.values():
         grammar.catch_up(host_tokens)
-        if not grammar.matcher.is_terminated():
-            grammar.matcher.fill_next_token_bitmask(bitmask, row)
-            rows.append(row)
-    if rows:
-        if logits.device.type == "cuda":
-            bitmask = bitmask.pin_memory().to(logits.device, non_blocking=True)
-        xgr.apply_token_bitmask_inplace(logits, bitmask, indices=rows)
+    rows = [row for row, grammar in grammars.items() if not grammar.matcher.is_terminated()]
+    if not rows:
+        return
+    bitmask = xgr.allocate_token_bitmask(logits.shape[0], logits.shape[-1])
+    for row in rows:
+        grammars[row].matcher.fill_next_token_bitmask(bitmask, row)
+    if logits.device.type == "cuda":
+        bitmask = bitmask.pin_memory().to(logits.device, non_blocking=True)
+    xgr.apply_token_bitmask_inplace(logits, bitmask, indices=rows)

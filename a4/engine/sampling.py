@@ -82,8 +82,9 @@ class Sampler:
     def sample(self, logits: torch.Tensor, reqs: list[Req]) -> SampledTokens:
         """One token per row of logits [len(reqs), vocab] (float32), drawn on the device without waiting for it."""
         finite = _rows_finite(logits)  # before the grammars' masks, whose -inf are no fault of the model's
-        grammars = {i: self._grammars[req.uid] for i, req in enumerate(reqs) if req.uid in self._grammars}
-        if grammars:
+        grammars = {}
+        if self._grammars:  # a batch without any costs no lookup per row
+            grammars = {i: self._grammars[req.uid] for i, req in enumerate(reqs) if req.uid in self._grammars}
             apply_grammar_masks(logits, grammars)
         tokens = logits.argmax(dim=-1)
         for i, req in enumerate(reqs):
