@@ -90,14 +90,16 @@ def test_greedy_json_is_transformers_masked_argmax_and_valid(chat_model_dir, tok
     jsonschema.validate(json.loads(tokenizer.decode(drawn.output_ids, skip_special_tokens=True)), SCHEMAS["array"][0])
     assert not engine.has_unfinished_requests
     assert engine.table_manager.available_size == engine.memory_plan.max_running_requests
+    assert not engine.sampler._grammars, "a finished request's grammar matcher was kept"
 
 
 def test_a_schema_is_compiled_once(grammars):
     schema = {"type": "object", "properties": {"cached": {"type": "boolean"}}, "required": ["cached"]}
+    before = grammars.compiler.get_cache_size_bytes()
     grammars.json_schema(schema)
     size = grammars.compiler.get_cache_size_bytes()
     grammars.json_schema(schema)
-    assert grammars.compiler.get_cache_size_bytes() == size
+    assert grammars.compiler.get_cache_size_bytes() == size > before
 
 
 def test_what_the_engine_cannot_follow_is_refused(grammars, chat_model_dir, tiny_qwen3_5):

@@ -7,7 +7,8 @@ not valid Unicode (a lone surrogate, `"\\ud800"`) is refused with a 400 naming i
 the fields a4 does not implement yet (`n` > 1, `logprobs`, `echo`, non-zero penalties), each saying so.
 `ignore_eos`, `top_k` and `stream_options.continuous_usage_stats` are the extensions SGLang and vLLM accept too.
 `response_format` (structured output: text, any JSON object, or JSON valid against a schema) is taken by both routes,
-as vLLM does; vLLM's older `guided_json` is not (vLLM has dropped it too). A completion's `prompt` may be several prompts (texts, or lists of token ids), one choice each.
+as vLLM does; vLLM's older `guided_json` is not (vLLM has dropped it too). A completion's `prompt` may be several
+prompts (texts, or lists of token ids), one choice each.
 """
 
 from __future__ import annotations
@@ -134,7 +135,9 @@ class GenerationRequest(StrictModel):
 
     @field_validator("response_format")
     @classmethod
-    def _grammar_ends_at_eos(cls, response_format: ResponseFormat | None, info: ValidationInfo) -> ResponseFormat | None:
+    def _grammar_ends_at_eos(
+        cls, response_format: ResponseFormat | None, info: ValidationInfo
+    ) -> ResponseFormat | None:
         if response_format is not None and response_format.type != "text" and info.data.get("ignore_eos"):
             raise ValueError("cannot be combined with ignore_eos: the JSON ends with an end-of-sequence token")
         return response_format
