@@ -12,9 +12,12 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol
 
 import torch
+
+if TYPE_CHECKING:
+    import xgrammar
 
 
 FinishReason = Literal["eos", "length", "stop", "error", "abort"]
@@ -53,6 +56,9 @@ class SamplingParams:
     # (0: its own only), and each prompt token's, with the `prompt_logprobs` most likely; None: not computed.
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    # Structured output: the grammar the output follows (a4/engine/grammar.py), compiled beforehand (the server
+    # does it in a worker thread, where a bad schema is a 400); None: free text. The engine checks it on arrival.
+    grammar: xgrammar.CompiledGrammar | None = None
 
     def __post_init__(self) -> None:
         _check_int("max_new_tokens", self.max_new_tokens, low=1)

@@ -36,7 +36,6 @@ REFUSED = [
     ("chat", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      "messages.0.content", "only 'text' parts"),
     ("completions", {"n": 2, "best_of": 3}, "best_of", "not supported"),
-    ("chat", {"response_format": {"type": "json_object"}}, "response_format", "not supported"),
 ]
 
 

@@ -35,6 +35,7 @@ from a4.core import Batch, Req, SamplingParams
 from a4.engine.tp_driver import TPDriver
 from a4.engine.config import EngineConfig
 from a4.engine.factories import create_prefix_cache
+from a4.engine.grammar import grammar_error
 from a4.engine.memory_plan import MemoryLedger, MemoryPlan
 from a4.engine.model_runner import ModelRunner
 from a4.engine.sampling import Sampler
@@ -206,6 +207,7 @@ class Engine:
             self._prompt_error(req.input_ids)
             or self.sampling_error(sampling_params)
             or logprobs_error(sampling_params, self.config.speculative_tokens)
+            or grammar_error(sampling_params, self.model_config, self.config.speculative_tokens)
         )
         if error is not None:
             req.finished, req.finish_reason, req.error = True, "error", error

@@ -26,6 +26,9 @@ penalizers keep their state the same way). min_p is a cut of the sampled distrib
 A request that asks for log-probabilities (SamplingParams.logprobs) gets its token's and the most likely tokens', from
 the same logits before any temperature or cut (logprobs.py); the others cost nothing more.
 
+A request with a grammar (structured output, grammar.py) picks from logits whose tokens the grammar forbids are -inf:
+`apply_grammar_masks`, on the device, on a copy (its logprobs stay the model's), before the processors above.
+
 A speculative engine (speculative_worker.py) verifies a sampled request's drafts against the very distribution this
 sampler draws from (`sampling_distribution`), with random numbers from the request's own generator (`generator`).
 """
@@ -40,6 +43,7 @@ from typing import NamedTuple
 import torch
 
 from a4.core import Batch, Req, SamplingParams, TokenLogprobs, to_device
+from a4.engine.grammar import RequestGrammar, apply_grammar_masks
 from a4.engine.logprobs import PendingLogprobs, PromptLogprobs, PromptRows, compute_logprobs
 
 
@@ -87,16 +91,20 @@ class Sampler:
         self.device = device
         self._generators: dict[int, torch.Generator] = {}
         self.logits_processors = LogitsProcessors(device, vocab_size, eos_token_ids)
+        self._grammars: dict[int, RequestGrammar] = {}
 
     def add_req(self, req: Req) -> None:
         seed = req.sampling_params.seed
         if seed is not None:
             self._generators[req.uid] = torch.Generator(device=self.device).manual_seed(seed)
         self.logits_processors.add_req(req)
+        if req.sampling_params.grammar is not None:
+            self._grammars[req.uid] = RequestGrammar(req.sampling_params.grammar)
 
     def remove_req(self, req: Req) -> None:
         self._generators.pop(req.uid, None)
         self.logits_processors.remove_req(req)
+        self._grammars.pop(req.uid, None)
 
     def generator(self, req: Req) -> torch.Generator | None:
         """The generator req draws from: its own when it has a seed, else None (torch's default one)."""
@@ -104,15 +112,22 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, reqs: list[Req]) -> SampledTokens:
         """One token per row of logits [len(reqs), vocab] (float32), drawn on the device without waiting for it."""
-        finite = _rows_finite(logits)
-        tokens = logits.argmax(dim=-1)
+        finite = _rows_finite(logits)  # before the grammars' masks, whose -inf are no fault of the model's
+        grammars = {}
+        picked_from = logits  # the logits the tokens are picked from; logprobs are the model's own
+        if self._grammars:  # a batch without any costs no lookup per row
+            grammars = {i: self._grammars[req.uid] for i, req in enumerate(reqs) if req.uid in self._grammars}
+            if grammars:
+                picked_from = logits.clone()
+                apply_grammar_masks(picked_from, grammars)
+        tokens = picked_from.argmax(dim=-1)
         # The rows that ask are processed apart: the logits themselves stay the model's.
-        rows, processed = self.logits_processors.apply(logits, reqs)
+        rows, processed = self.logits_processors.apply(picked_from, reqs)
         if rows is not None:
             tokens[rows.device_index] = processed.argmax(dim=-1)
         for i, req in enumerate(reqs):
             if req.sampling_params.temperature > 0:
-                row = processed[rows.position[i]] if rows is not None and i in rows.position else logits[i]
+                row = processed[rows.position[i]] if rows is not None and i in rows.position else picked_from[i]
                 tokens[i] = self._draw(row, req, finite[i])
         if rows is not None:
             self.logits_processors.cumulate_output_tokens(rows, tokens)
@@ -126,6 +141,8 @@ class Sampler:
             copied.record()
             sampled = SampledTokens(tokens, logits, host, copied)
         self._token_logprobs(sampled, reqs)
+        for row, grammar in grammars.items():
+            grammar.sampled(sampled, row)  # its matcher accepts the token before its next mask
         return sampled
 
     def prompt_logprobs(self, logits: torch.Tensor, batch: Batch, rows: list[PromptRows]) -> PromptLogprobs:

@@ -9,14 +9,16 @@
     GET  /health               200 while the engine loop runs
     GET  /metrics              Prometheus text (metrics.py)
 
-A generation request is tokenized in a worker thread (so that the event loop keeps serving meanwhile) and checked
+A generation request is tokenized in a worker thread (so that the event loop keeps serving meanwhile), its
+`response_format` compiled there too (a4/engine/grammar.py: a schema once, then from xgrammar's cache), and checked
 here (the engine's own `prompt_error`: empty, outside the vocabulary, longer than the context); each sample of each
-prompt (`n`) is one engine request (the samples of a prompt share its prefill), submitted to the engine loop, whose text comes back as it becomes final (the loop detokenizes and
-applies the stop strings). The response waits for the first piece of every prompt, so that a request the engine
-refuses is still a plain 400; then it is one JSON body, or with `stream: true` server-sent events ending in
-`data: [DONE]`. A client that disconnects, while waiting or while streaming, aborts its requests. Logprobs come with
-the pieces they belong to (logprobs.py writes them in OpenAI's shapes); a completion with `echo` opens each choice
-with its prompt, and its prompt's logprobs when it asks for logprobs.
+prompt (`n`) is one engine request (the samples of a prompt share its prefill), submitted to the engine loop, whose
+text comes back as it becomes final (the loop detokenizes and applies the stop strings). The response waits for the
+first piece of every prompt, so that a request the engine refuses is still a plain 400; then it is one JSON body, or
+with `stream: true` server-sent events ending in `data: [DONE]`. A client that disconnects, while waiting or while
+streaming, aborts its requests. Logprobs come with the pieces they belong to (logprobs.py writes them in OpenAI's
+shapes); a completion with `echo` opens each choice with its prompt, and its prompt's logprobs when it asks for
+logprobs.
 
 Errors are OpenAI's shape (errors.py): 400 for a bad body, 401 without the API key (auth.py), 404 for an unknown
 model or route, 408 / 413 for a body too slow or too large (limits.py), 503 with Retry-After when the engine loop's
@@ -30,7 +32,7 @@ import asyncio
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Iterable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 from fastapi import Body, FastAPI, Request
@@ -42,6 +44,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from a4.core import SamplingParams, TokenLogprobs
+from a4.engine.grammar import GrammarBackend, grammar_error
 from a4.engine.validation import prompt_error
 from a4.server.auth import APIKeyMiddleware
 from a4.server.engine_loop import EngineLoop, RequestStream, Unavailable
@@ -59,6 +62,7 @@ from a4.server.protocol import (
     GenerationRequest,
     ModelCard,
     ModelList,
+    ResponseFormat,
     TokenizeChatRequest,
     TokenizeCompletionRequest,
     TokenizeResponse,
@@ -138,6 +142,7 @@ def create_app(
     chat messages is read as special tokens (prompts.py)."""
     engine = engine_loop.engine
     encoder = PromptEncoder(tokenizer, enable_special_tokens_in_messages)
+    grammars = GrammarBackend(tokenizer, engine.model_config.vocab_size, engine.model_config.eos_token_ids)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -286,11 +291,26 @@ def create_app(
             raise APIError(400, error, param=field if field in GenerationRequest.model_fields else None)
         return params
 
+    def compiled_grammar(response_format: ResponseFormat):
+        """The grammar of a JSON response_format (in a worker thread: a new schema takes a while to compile)."""
+        try:
+            if response_format.type == "json_object":
+                return grammars.json_object()
+            return grammars.json_schema(response_format.json_schema.json_schema)
+        except ValueError as e:
+            param = "response_format.json_schema.schema"
+            raise APIError(400, f"{param}: invalid JSON schema: {e}", param=param, code="invalid_schema") from None
+
     async def respond(
         request: Request, body: GenerationRequest, prompts: list[list[int]], render: Render, default_max_tokens: int,
         echoes: list[Echo] | None = None,
     ) -> Response:  # fmt: skip
         params = checked_sampling_params(body, default_max_tokens)
+        if body.response_format is not None and body.response_format.type != "text":
+            params = replace(params, grammar=await run_in_threadpool(compiled_grammar, body.response_format))
+            # What the engine would refuse (a speculative engine), as a 400 naming the field.
+            if error := grammar_error(params, engine.model_config, engine.config.speculative_tokens):
+                raise APIError(400, f"response_format: {error}", param="response_format")
         pieces: list[Pieces] = []
         streaming = False  # once the stream's generator has the requests, it closes them
         try:

@@ -4,12 +4,13 @@ responses.
 Requests are strict: a field of the wrong type (`"max_tokens": "10"`), out of range (`max_tokens` <= 0, a
 non-finite `temperature`, a `top_p` that float32 rounds to 0), unknown (a typo such as `max_token`) or text that is
 not valid Unicode (a lone surrogate, `"\\ud800"`) is refused with a 400 naming it, never coerced or ignored; so are
-the fields a4 does not implement yet (`best_of` other than n, `response_format` other than text), each saying so.
-`ignore_eos`, `top_k`, `repetition_penalty`, `min_p`, `min_tokens`, `stop_token_ids` and
-`stream_options.continuous_usage_stats` are the extensions SGLang and vLLM accept too. A completion's `prompt` may be
-several prompts (texts, or lists of token ids), `n` choices each. Log-probabilities (completions: `logprobs: k`, with
-`echo` the prompt's too; chat: `logprobs: true, top_logprobs: k`) list at most MAX_LOGPROBS most likely tokens,
-vLLM's default bound. `/tokenize` and `/detokenize` take vLLM's bodies.
+the fields a4 does not implement yet (`best_of` other than n), each saying so. `ignore_eos`, `top_k`,
+`repetition_penalty`, `min_p`, `min_tokens`, `stop_token_ids` and `stream_options.continuous_usage_stats` are the
+extensions SGLang and vLLM accept too. `response_format` (structured output: text, any JSON object, or JSON valid
+against a schema) is taken by both routes, as vLLM does; vLLM's older `guided_json` is not (vLLM has dropped it too).
+A completion's `prompt` may be several prompts (texts, or lists of token ids), `n` choices each. Log-probabilities
+(completions: `logprobs: k`, with `echo` the prompt's too; chat: `logprobs: true, top_logprobs: k`) list at most
+MAX_LOGPROBS most likely tokens, vLLM's default bound. `/tokenize` and `/detokenize` take vLLM's bodies.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from dataclasses import replace
 from typing import Any, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from a4.core import SamplingParams
 
@@ -52,6 +53,26 @@ class StreamOptions(StrictModel):
     continuous_usage_stats: bool = False  # vLLM's: the usage so far in every chunk
 
 
+class JsonSchemaFormat(StrictModel):
+    name: str
+    description: str | None = None
+    # "schema" would shadow a BaseModel attribute.
+    json_schema: dict[str, Any] = Field(alias="schema")
+    # Whether the output must follow the schema exactly: a4 always makes it (as vLLM does).
+    strict: bool | None = None
+
+
+class ResponseFormat(StrictModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> ResponseFormat:
+        if (self.json_schema is not None) != (self.type == "json_schema"):
+            raise ValueError("json_schema is given with type 'json_schema', and only then")
+        return self
+
+
 class GenerationRequest(StrictModel):
     """What completions and chat completions share: the model, sampling and streaming."""
 
@@ -77,6 +98,7 @@ class GenerationRequest(StrictModel):
     # Token ids (as strings, JSON's keys) to a bias added to their logits, clamped to [-100, 100] as vLLM does.
     logit_bias: dict[str, float] | None = None
     user: str | None = None  # an end user's id, for the provider's abuse monitoring: accepted, unused
+    response_format: ResponseFormat | None = None
 
     @field_validator("top_p")
     @classmethod
@@ -132,6 +154,15 @@ class GenerationRequest(StrictModel):
             if bias != bias or abs(bias) == float("inf"):
                 raise ValueError(f"the bias of token {token} must be finite, got {bias}")
         return logit_bias
+
+    @field_validator("response_format")
+    @classmethod
+    def _grammar_ends_at_eos(
+        cls, response_format: ResponseFormat | None, info: ValidationInfo
+    ) -> ResponseFormat | None:
+        if response_format is not None and response_format.type != "text" and info.data.get("ignore_eos"):
+            raise ValueError("cannot be combined with ignore_eos: the JSON ends with an end-of-sequence token")
+        return response_format
 
     @property
     def stop_strings(self) -> list[str]:
@@ -258,7 +289,6 @@ class ChatCompletionRequest(GenerationRequest):
     max_completion_tokens: int | None = Field(None, gt=0)  # OpenAI's newer name for max_tokens
     logprobs: bool = False  # each output token's logprob
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # and the k most likely tokens' (needs logprobs)
-    response_format: dict[str, Any] | None = None
 
     @field_validator("max_completion_tokens")
     @classmethod
@@ -273,13 +303,6 @@ class ChatCompletionRequest(GenerationRequest):
         if top_logprobs is not None and not info.data.get("logprobs"):
             raise ValueError("top_logprobs needs logprobs: true")
         return top_logprobs
-
-    @field_validator("response_format")
-    @classmethod
-    def _text_format_only(cls, response_format: dict[str, Any] | None) -> dict[str, Any] | None:
-        if response_format is not None and response_format != {"type": "text"}:
-            raise _not_supported(": only {'type': 'text'}")
-        return response_format
 
     @property
     def max_new_tokens(self) -> int | None:
