@@ -115,33 +115,61 @@ def story(rng: random.Random, animal: str | None = None) -> str:
     return " ".join(sentences)
 
 
-def fact(rng: random.Random) -> tuple[str, str]:
-    """A (question, answer) pair about the fixed world; the answer is a whole sentence, as in the fact documents."""
-    kind = rng.randrange(5)
-    if kind == 0:
-        country = rng.choice(list(CAPITALS))
-        return f"What is the capital of {country}?", f"The capital of {country} is {CAPITALS[country]}."
-    if kind == 1:
-        animal = rng.choice(list(ANIMALS))
-        a = article(animal)
-        return f"What sound does {a} {animal} make?", f"{a.capitalize()} {animal} says {ANIMALS[animal]}."
-    if kind == 2:
-        fruit = rng.choice(list(FRUITS))
-        a = article(fruit)
-        return f"What colour is {a} {fruit}?", f"{a.capitalize()} {fruit} is {FRUITS[fruit]}."
-    if kind == 3:
-        i = rng.randrange(len(DAYS))
-        return f"What day comes after {DAYS[i]}?", f"After {DAYS[i]} comes {DAYS[(i + 1) % len(DAYS)]}."
-    n = rng.randrange(len(NUMBER_WORDS))
+def capital(country: str) -> tuple[str, str]:
+    return f"What is the capital of {country}?", f"The capital of {country} is {CAPITALS[country]}."
+
+
+def animal_sound(animal: str) -> tuple[str, str]:
+    a = article(animal)
+    return f"What sound does {a} {animal} make?", f"{a.capitalize()} {animal} says {ANIMALS[animal]}."
+
+
+def fruit_colour(fruit: str) -> tuple[str, str]:
+    a = article(fruit)
+    return f"What colour is {a} {fruit}?", f"{a.capitalize()} {fruit} is {FRUITS[fruit]}."
+
+
+def next_day(day: str) -> tuple[str, str]:
+    return f"What day comes after {day}?", f"After {day} comes {DAYS[(DAYS.index(day) + 1) % len(DAYS)]}."
+
+
+def number_in_words(n: int) -> tuple[str, str]:
     return f"How do you write {n} in words?", f"{n} in words is {NUMBER_WORDS[n]}."
+
+
+def plus(a: int, b: int) -> tuple[str, str]:
+    return f"What is {a} plus {b}?", f"{a} plus {b} is {a + b}."
+
+
+def minus(a: int, b: int) -> tuple[str, str]:
+    return f"What is {a} minus {b}?", f"{a} minus {b} is {a - b}."
+
+
+OPERANDS = range(MAX_OPERAND + 1)
+# Every (question, answer) of the fixed world, by category: what `fact` and `sum_question` draw from, and what
+# a4/tiny_eval.py asks the trained model. Each answer is a whole sentence, as in the fact documents.
+QUESTIONS = {
+    "capitals": [capital(country) for country in CAPITALS],
+    "animal sounds": [animal_sound(animal) for animal in ANIMALS],
+    "fruit colours": [fruit_colour(fruit) for fruit in FRUITS],
+    "days": [next_day(day) for day in DAYS],
+    "numbers": [number_in_words(n) for n in range(len(NUMBER_WORDS))],
+    "sums": [plus(a, b) for a in OPERANDS for b in OPERANDS]
+    + [minus(a, b) for a in OPERANDS for b in OPERANDS if b <= a],
+}
+FACT_CATEGORIES = ("capitals", "animal sounds", "fruit colours", "days", "numbers")
+
+
+def fact(rng: random.Random) -> tuple[str, str]:
+    """A (question, answer) pair about the fixed world, its category drawn first (each as likely)."""
+    return rng.choice(QUESTIONS[rng.choice(FACT_CATEGORIES)])
 
 
 def sum_question(rng: random.Random) -> tuple[str, str]:
     a, b = rng.randint(0, MAX_OPERAND), rng.randint(0, MAX_OPERAND)
     if rng.random() < 0.6:
-        return f"What is {a} plus {b}?", f"{a} plus {b} is {a + b}."
-    a, b = max(a, b), min(a, b)
-    return f"What is {a} minus {b}?", f"{a} minus {b} is {a - b}."
+        return plus(a, b)
+    return minus(max(a, b), min(a, b))
 
 
 def facts_document(rng: random.Random) -> str:
