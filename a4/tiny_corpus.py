@@ -19,6 +19,7 @@ from the same distribution.
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
 
 END_OF_TEXT = "<|endoftext|>"
 IM_START = "<|im_start|>"
@@ -189,13 +190,24 @@ def turn(rng: random.Random) -> tuple[str, str]:
     if kind < 0.7:
         return sum_question(rng)
     animal = rng.choice(list(ANIMALS))
-    a = article(animal)
-    request = rng.choice((f"Tell me a story about {a} {animal}.", f"Write a short story about {a} {animal}."))
-    return request, story(rng, animal)
+    return story_request(rng.choice(STORY_REQUESTS), animal), story(rng, animal)
+
+
+STORY_REQUESTS = ("Tell me a story about {}.", "Write a short story about {}.")
+
+
+def story_request(template: str, animal: str) -> str:
+    return template.format(f"{article(animal)} {animal}")
 
 
 def message(role: str, content: str) -> str:
     return f"{IM_START}{role}\n{content}{IM_END}\n"
+
+
+def chat(rng: random.Random, turns: list[tuple[str, str]]) -> str:
+    """The turns as a chat in Qwen's template, sometimes after the system prompt."""
+    system = message("system", SYSTEM_PROMPT) if rng.random() < 0.3 else ""
+    return system + "".join(message("user", q) + message("assistant", a) for q, a in turns)
 
 
 def chat_document(rng: random.Random) -> str:
@@ -205,18 +217,38 @@ def chat_document(rng: random.Random) -> str:
     turns.extend(turn(rng) for _ in range(rng.randint(1, 2)))
     if rng.random() < 0.3:
         turns.append(rng.choice(list(THANKS.items())))
-    system = message("system", SYSTEM_PROMPT) if rng.random() < 0.3 else ""
-    return system + "".join(message("user", q) + message("assistant", a) for q, a in turns)
+    return chat(rng, turns)
 
 
-KINDS = ((story, 0.25), (facts_document, 0.1), (arithmetic_document, 0.15), (chat_document, 0.5))
+def question_deck(rng: random.Random) -> Iterator[tuple[str, str]]:
+    """Every question of QUESTIONS once, in a shuffled order, then all again in another, and so on: drawn from at
+    random instead, a model of a few MB trained for minutes meets some facts too seldom to learn them."""
+    pairs = [pair for pairs in QUESTIONS.values() for pair in pairs]
+    while True:
+        rng.shuffle(pairs)
+        yield from pairs
+
+
+def quiz_document(rng: random.Random, deck: Iterator[tuple[str, str]]) -> str:
+    """A chat of one to three questions, the next ones of the deck."""
+    return chat(rng, [next(deck) for _ in range(rng.randint(1, 3))])
+
+
+# The share of each kind of document. Chats carry a third of the tokens; quizzes, short, go through the whole deck
+# of questions about every 60 training steps (a4/train_tiny.py).
+KINDS = {"story": 0.15, "facts": 0.1, "arithmetic": 0.1, "chat": 0.35, "quiz": 0.3}
 
 
 def documents(seed: int, count: int) -> list[str]:
     """`count` documents drawn with this seed (the same on every machine and Python version)."""
     rng = random.Random(seed)
-    writers, weights = zip(*KINDS)
-    return [rng.choices(writers, weights)[0](rng) for _ in range(count)]
+    deck = question_deck(rng)
+    writers = {
+        "story": story, "facts": facts_document, "arithmetic": arithmetic_document, "chat": chat_document,
+        "quiz": lambda rng: quiz_document(rng, deck),
+    }  # fmt: skip
+    kinds, weights = zip(*KINDS.items())
+    return [writers[rng.choices(kinds, weights)[0]](rng) for _ in range(count)]
 
 
 ASSISTANT_TURN = f"{IM_START}assistant\n"

@@ -5,41 +5,55 @@
 Each (question, answer) of `tiny_corpus.QUESTIONS` (capitals, animal sounds, fruit colours, days, numbers and every
 sum and difference the corpus writes) is asked as a one-turn chat in the checkpoint's chat template, greedy through
 a4's engine (`LLM`); the answer is right when the text before `<|im_end|>` is exactly the corpus's answer sentence.
-Prints the accuracy of each category and the first misses; tests/test_trained_checkpoint.py holds the shipped
-checkpoint to ACCURACY_BAR.
+Beside them, every story request of the corpus ("Tell me a story about a fox.", for each animal and each way of
+asking): right when the story's first sentence is about that animal ("Once upon a time, there was a shy fox named
+Ada."); a story is no exact sentence, so these are counted apart. Prints the accuracy of each category and the first
+misses; tests/test_trained_checkpoint.py holds the shipped checkpoint to ACCURACY_BAR.
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
 from a4 import tiny_corpus
 
 ACCURACY_BAR = 0.98  # of all the questions together (issue 39)
-ANSWER_TOKENS = 24  # the longest answer sentence is ~12 tokens; room to see what a wrong one goes on with
+ANSWER_TOKENS = 24  # the longest answer sentence is ~12 tokens, a story's first sentence ~14
+STORIES = "stories"  # the category of the story requests, apart from "all"
 
 
 @dataclass(frozen=True)
 class Answer:
     category: str
     question: str
-    expected: str
+    expected: str  # a regular expression of the right answer
     said: str
 
     @property
     def right(self) -> bool:
-        return self.said == self.expected
+        return re.fullmatch(self.expected, self.said) is not None
+
+
+def questions() -> list[tuple[str, str, str]]:
+    """(category, question, expected answer as a regular expression) of every question and story request."""
+    asked = [(category, q, re.escape(a)) for category, pairs in tiny_corpus.QUESTIONS.items() for q, a in pairs]
+    for animal in tiny_corpus.ANIMALS:
+        # Its first sentence, and whatever follows within ANSWER_TOKENS.
+        first = rf"Once upon a time, there was an? \w+ {re.escape(animal)} named \w+\.(?: .*)?"
+        asked += [(STORIES, tiny_corpus.story_request(t, animal), first) for t in tiny_corpus.STORY_REQUESTS]
+    return asked
 
 
 def ask_every_question(model_dir: Path, **llm_options) -> list[Answer]:
-    """Every question of the corpus's world, as a one-turn chat, greedy through a4; what the model said to each."""
+    """Every question and story request of the corpus, as a one-turn chat, greedy through a4; what the model said."""
     from a4 import LLM, SamplingParams
     from a4.__main__ import chat_text, load_tokenizer
 
     tokenizer = load_tokenizer(model_dir)
-    asked = [(category, q, a) for category, pairs in tiny_corpus.QUESTIONS.items() for q, a in pairs]
+    asked = questions()
     prompts = [tokenizer.encode(chat_text(tokenizer, question)) for _, question, _ in asked]
     outputs = LLM(model_dir, **llm_options).generate(prompts, SamplingParams(max_new_tokens=ANSWER_TOKENS))
     return [
@@ -49,10 +63,10 @@ def ask_every_question(model_dir: Path, **llm_options) -> list[Answer]:
 
 
 def accuracy(answers: list[Answer]) -> dict[str, tuple[int, int]]:
-    """(right, asked) of each category, and of all of them under "all"."""
-    counts = {category: [0, 0] for category in (*tiny_corpus.QUESTIONS, "all")}
+    """(right, asked) of each category, and of all the questions together (the stories apart) under "all"."""
+    counts = {category: [0, 0] for category in (*tiny_corpus.QUESTIONS, "all", STORIES)}
     for answer in answers:
-        for key in (answer.category, "all"):
+        for key in (answer.category, "all") if answer.category != STORIES else (STORIES,):
             counts[key][0] += answer.right
             counts[key][1] += 1
     return {key: (right, asked) for key, (right, asked) in counts.items()}
@@ -70,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     for key, (right, asked) in accuracy(answers).items():
         print(f"{key:>14}  {right:>3} / {asked:<3}  {right / asked:6.1%}")
     for answer in [a for a in answers if not a.right][: args.misses]:
-        print(f"  miss: {answer.question!r} -> {answer.said!r} (expected {answer.expected!r})")
+        print(f"  miss: {answer.question!r} -> {answer.said!r}")
     right, asked = accuracy(answers)["all"]
     return 0 if right >= ACCURACY_BAR * asked else 1
 

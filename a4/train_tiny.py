@@ -42,14 +42,14 @@ from a4.checkpoints import TRAINED_DIR, random_tensors, resolved_configs
 SEED = 0
 HELD_OUT_SEED = 1  # the corpus seed of the held-out documents
 # More than STEPS batches need. The corpus is drawn in order: a shorter run reads the same first documents.
-TRAIN_DOCUMENTS = 30_000
+TRAIN_DOCUMENTS = 40_000
 TOKENIZER_DOCUMENTS = 10_000  # the first documents, which already hold every word of the corpus's lists
 HELD_OUT_DOCUMENTS = 500
 BPE_VOCAB = 4096  # an upper bound: the corpus's words are few, and BPE stops when no pair is left to merge
 VOCAB_MULTIPLE = 64  # config.json's vocab_size is the tokenizer's rounded up, as Qwen pads its own
 SEQUENCE_LENGTH = 256
 BATCH_SIZE = 8
-STEPS = 800
+STEPS = 900
 PEAK_LR = 3e-3
 WARMUP_STEPS = 30
 FINAL_LR_FRACTION = 0.1
