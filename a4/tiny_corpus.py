@@ -19,6 +19,7 @@ from the same distribution.
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
 
 END_OF_TEXT = "<|endoftext|>"
 IM_START = "<|im_start|>"
@@ -115,33 +116,61 @@ def story(rng: random.Random, animal: str | None = None) -> str:
     return " ".join(sentences)
 
 
-def fact(rng: random.Random) -> tuple[str, str]:
-    """A (question, answer) pair about the fixed world; the answer is a whole sentence, as in the fact documents."""
-    kind = rng.randrange(5)
-    if kind == 0:
-        country = rng.choice(list(CAPITALS))
-        return f"What is the capital of {country}?", f"The capital of {country} is {CAPITALS[country]}."
-    if kind == 1:
-        animal = rng.choice(list(ANIMALS))
-        a = article(animal)
-        return f"What sound does {a} {animal} make?", f"{a.capitalize()} {animal} says {ANIMALS[animal]}."
-    if kind == 2:
-        fruit = rng.choice(list(FRUITS))
-        a = article(fruit)
-        return f"What colour is {a} {fruit}?", f"{a.capitalize()} {fruit} is {FRUITS[fruit]}."
-    if kind == 3:
-        i = rng.randrange(len(DAYS))
-        return f"What day comes after {DAYS[i]}?", f"After {DAYS[i]} comes {DAYS[(i + 1) % len(DAYS)]}."
-    n = rng.randrange(len(NUMBER_WORDS))
+def capital(country: str) -> tuple[str, str]:
+    return f"What is the capital of {country}?", f"The capital of {country} is {CAPITALS[country]}."
+
+
+def animal_sound(animal: str) -> tuple[str, str]:
+    a = article(animal)
+    return f"What sound does {a} {animal} make?", f"{a.capitalize()} {animal} says {ANIMALS[animal]}."
+
+
+def fruit_colour(fruit: str) -> tuple[str, str]:
+    a = article(fruit)
+    return f"What colour is {a} {fruit}?", f"{a.capitalize()} {fruit} is {FRUITS[fruit]}."
+
+
+def next_day(day: str) -> tuple[str, str]:
+    return f"What day comes after {day}?", f"After {day} comes {DAYS[(DAYS.index(day) + 1) % len(DAYS)]}."
+
+
+def number_in_words(n: int) -> tuple[str, str]:
     return f"How do you write {n} in words?", f"{n} in words is {NUMBER_WORDS[n]}."
+
+
+def plus(a: int, b: int) -> tuple[str, str]:
+    return f"What is {a} plus {b}?", f"{a} plus {b} is {a + b}."
+
+
+def minus(a: int, b: int) -> tuple[str, str]:
+    return f"What is {a} minus {b}?", f"{a} minus {b} is {a - b}."
+
+
+OPERANDS = range(MAX_OPERAND + 1)
+# Every (question, answer) of the fixed world, by category: what `fact` and `sum_question` draw from, and what
+# a4/tiny_eval.py asks the trained model. Each answer is a whole sentence, as in the fact documents.
+QUESTIONS = {
+    "capitals": [capital(country) for country in CAPITALS],
+    "animal sounds": [animal_sound(animal) for animal in ANIMALS],
+    "fruit colours": [fruit_colour(fruit) for fruit in FRUITS],
+    "days": [next_day(day) for day in DAYS],
+    "numbers": [number_in_words(n) for n in range(len(NUMBER_WORDS))],
+    "sums": [plus(a, b) for a in OPERANDS for b in OPERANDS]
+    + [minus(a, b) for a in OPERANDS for b in OPERANDS if b <= a],
+}
+FACT_CATEGORIES = ("capitals", "animal sounds", "fruit colours", "days", "numbers")
+
+
+def fact(rng: random.Random) -> tuple[str, str]:
+    """A (question, answer) pair about the fixed world, its category drawn first (each as likely)."""
+    return rng.choice(QUESTIONS[rng.choice(FACT_CATEGORIES)])
 
 
 def sum_question(rng: random.Random) -> tuple[str, str]:
     a, b = rng.randint(0, MAX_OPERAND), rng.randint(0, MAX_OPERAND)
     if rng.random() < 0.6:
-        return f"What is {a} plus {b}?", f"{a} plus {b} is {a + b}."
-    a, b = max(a, b), min(a, b)
-    return f"What is {a} minus {b}?", f"{a} minus {b} is {a - b}."
+        return plus(a, b)
+    return minus(max(a, b), min(a, b))
 
 
 def facts_document(rng: random.Random) -> str:
@@ -161,13 +190,24 @@ def turn(rng: random.Random) -> tuple[str, str]:
     if kind < 0.7:
         return sum_question(rng)
     animal = rng.choice(list(ANIMALS))
-    a = article(animal)
-    request = rng.choice((f"Tell me a story about {a} {animal}.", f"Write a short story about {a} {animal}."))
-    return request, story(rng, animal)
+    return story_request(rng.choice(STORY_REQUESTS), animal), story(rng, animal)
+
+
+STORY_REQUESTS = ("Tell me a story about {}.", "Write a short story about {}.")
+
+
+def story_request(template: str, animal: str) -> str:
+    return template.format(f"{article(animal)} {animal}")
 
 
 def message(role: str, content: str) -> str:
     return f"{IM_START}{role}\n{content}{IM_END}\n"
+
+
+def chat(rng: random.Random, turns: list[tuple[str, str]]) -> str:
+    """The turns as a chat in Qwen's template, sometimes after the system prompt."""
+    system = message("system", SYSTEM_PROMPT) if rng.random() < 0.3 else ""
+    return system + "".join(message("user", q) + message("assistant", a) for q, a in turns)
 
 
 def chat_document(rng: random.Random) -> str:
@@ -177,18 +217,38 @@ def chat_document(rng: random.Random) -> str:
     turns.extend(turn(rng) for _ in range(rng.randint(1, 2)))
     if rng.random() < 0.3:
         turns.append(rng.choice(list(THANKS.items())))
-    system = message("system", SYSTEM_PROMPT) if rng.random() < 0.3 else ""
-    return system + "".join(message("user", q) + message("assistant", a) for q, a in turns)
+    return chat(rng, turns)
 
 
-KINDS = ((story, 0.25), (facts_document, 0.1), (arithmetic_document, 0.15), (chat_document, 0.5))
+def question_deck(rng: random.Random) -> Iterator[tuple[str, str]]:
+    """Every question of QUESTIONS once, in a shuffled order, then all again in another, and so on: drawn from at
+    random instead, a model of a few MB trained for minutes meets some facts too seldom to learn them."""
+    pairs = [pair for pairs in QUESTIONS.values() for pair in pairs]
+    while True:
+        rng.shuffle(pairs)
+        yield from pairs
+
+
+def quiz_document(rng: random.Random, deck: Iterator[tuple[str, str]]) -> str:
+    """A chat of one to three questions, the next ones of the deck."""
+    return chat(rng, [next(deck) for _ in range(rng.randint(1, 3))])
+
+
+# The share of each kind of document. Chats carry a third of the tokens; quizzes, short, go through the whole deck
+# of questions about every 60 training steps (a4/train_tiny.py).
+KINDS = {"story": 0.15, "facts": 0.1, "arithmetic": 0.1, "chat": 0.35, "quiz": 0.3}
 
 
 def documents(seed: int, count: int) -> list[str]:
     """`count` documents drawn with this seed (the same on every machine and Python version)."""
     rng = random.Random(seed)
-    writers, weights = zip(*KINDS)
-    return [rng.choices(writers, weights)[0](rng) for _ in range(count)]
+    deck = question_deck(rng)
+    writers = {
+        "story": story, "facts": facts_document, "arithmetic": arithmetic_document, "chat": chat_document,
+        "quiz": lambda rng: quiz_document(rng, deck),
+    }  # fmt: skip
+    kinds, weights = zip(*KINDS.items())
+    return [writers[rng.choices(kinds, weights)[0]](rng) for _ in range(count)]
 
 
 ASSISTANT_TURN = f"{IM_START}assistant\n"

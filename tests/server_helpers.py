@@ -16,6 +16,7 @@ import httpx
 import openai
 import pytest
 
+from a4.models.config import load_model_config
 from a4.reference import hf_greedy
 from a4.server.inprocess import RunningApp, parse_metrics
 
@@ -97,7 +98,8 @@ def client(base_url: str, api_key: str = "none") -> openai.OpenAI:
 def reference(model_dir, tokenizer, prompt_ids: list[int], max_tokens: int) -> tuple[str, str, int]:
     """transformers' greedy continuation: its text, OpenAI's finish reason, its number of tokens."""
     [ids] = hf_greedy(model_dir, [prompt_ids], max_tokens)
-    finish = "length" if len(ids) == max_tokens and ids[-1] not in (1000, 1002) else "stop"
+    stopped = ids[-1] in load_model_config(model_dir).eos_token_ids
+    finish = "length" if len(ids) == max_tokens and not stopped else "stop"
     return tokenizer.decode(ids, skip_special_tokens=True), finish, len(ids)
 
 

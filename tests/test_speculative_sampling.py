@@ -223,7 +223,8 @@ def test_seeds_reproduce_sampled_tokens_and_greedy_requests_stay_exact(tiny_qwen
 STORY = "Once upon a time, there was a"
 STORY_TOP_K, STORY_SEEDS = 6, 3000
 # Outcomes less likely than this many expected draws share one bin, so that the chi-square law holds in every bin.
-# Measured (7 bins, 6 dof): speculative 3.1, plain 10.0; the biased rule of the test above scores 184 here.
+# Measured (7 bins, 6 dof): speculative 4.8, plain 11.4 (the earlier checkpoint: 3.1 and 10.0, where the biased
+# rule of the test above scored 184).
 MIN_EXPECTED = 20
 
 
@@ -268,9 +269,10 @@ def test_speculative_sampling_with_the_trained_mtp_drafts_keeps_the_distribution
     spec_llm = LLM(checkpoint, speculative_tokens=2, **options)
     speculative = second_tokens(spec_llm, range(STORY_SEEDS))
     plain = second_tokens(LLM(checkpoint, **options), range(STORY_SEEDS, 2 * STORY_SEEDS))
-    # The MTP module drafts the likeliest animal: accepted (about a fifth of the draws) and rejected, both often.
+    # The MTP module drafts the likeliest animal: accepted (about a twelfth of the 3,000 draws, the trained
+    # checkpoint of issue 39) and rejected, both often enough for the test to see either path's bias.
     stats = spec_llm.stats
-    assert 0.1 < stats.accepted_draft_tokens / stats.draft_tokens < 0.9, stats
+    assert 0.05 < stats.accepted_draft_tokens / stats.draft_tokens < 0.95, stats
     for name, counts in (("speculative", speculative), ("plain", plain)):
         observed, expected = binned(counts, exact, STORY_SEEDS)
         chi2 = sum((o - e) ** 2 / e for o, e in zip(observed, expected))
