@@ -222,7 +222,9 @@ def test_an_unwritten_exercise_is_a_500_naming_it_and_one_log_line(server, monke
         ("ERROR", f"an engine step raised: {not_written_yet(STUB)}", None)
     ] * 2
     monkeypatch.undo()
-    assert client(base_url).completions.create(model=MODEL, prompt="Hi", max_tokens=4).choices[0].text
+    # Served again (the trained model may answer "Hi" with its end-of-sequence token at once: no text, one token).
+    served = client(base_url).completions.create(model=MODEL, prompt="Hi", max_tokens=4)
+    assert served.choices[0].finish_reason in ("stop", "length") and served.usage.completion_tokens >= 1
 
 
 def test_prompt_longer_than_the_context_is_named_so(server):
