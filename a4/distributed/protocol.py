@@ -12,7 +12,8 @@ happens, in order (a4/engine/tp_driver.py), one broadcast per module call:
   cache evicted). No rank reads a state between two module calls, so the ops wait for the next message.
 - `Call`: a module call that every rank makes together (the main model's forward, the MTP module's forward and its
   lm_head), with the step's `StepInputs`: its ForwardBatch without the rank-local parts, and the rows of the table that
-  the step reads (a worker rebuilds the step with a4/engine/forward_batch.py's `rank_forward_batch`). Slots and KV locations are rank 0's on every rank, so a worker needs no allocator of its own.
+  the step reads (a worker rebuilds the step with a4/engine/forward_batch.py's `rank_forward_batch`). Slots and KV
+  locations are rank 0's on every rank, so a worker needs no allocator of its own.
 - `Setup` once the plan is made (the pools' sizes), `Report` for tests and diagnostics, `Stop`.
 """
 

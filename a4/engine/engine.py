@@ -285,9 +285,11 @@ class Engine:
     def _book(self, step: LaunchedStep) -> list[Req]:
         """Book a launched step with the scheduler: its tokens, its finishes."""
         next_tokens, errors = step.result()
-        output_lens = [len(req.output_ids) for req in step.batch.reqs]
+        # A step that computed logprobs books them with the tokens the booking keeps: each output's length before.
+        output_lens = [len(req.output_ids) for req in step.batch.reqs] if step.has_logprobs else None
         finished = self.scheduler.process_batch_output(step.batch, next_tokens, errors)
-        step.book_logprobs(output_lens)
+        if output_lens is not None:
+            step.book_logprobs(output_lens)
         self.worker.booked(step)
         for req in finished:
             self.sampler.remove_req(req)

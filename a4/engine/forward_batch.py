@@ -157,7 +157,12 @@ def static_extend_batch(
 
 
 def rank_forward_batch(
-    step: StepInputs, *, req_to_token: torch.Tensor, kv_pool, state_pool: GDNStates | None, attn_backend: AttentionBackend
+    step: StepInputs,
+    *,
+    req_to_token: torch.Tensor,
+    kv_pool,
+    state_pool: GDNStates | None,
+    attn_backend: AttentionBackend,
 ) -> ForwardBatch:
     """A tensor-parallel worker's context of rank 0's step, over the worker's own table, pools and backend: the
     table rows the step reads are written into the worker's table first (slots and KV locations are rank 0's on

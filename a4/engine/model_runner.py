@@ -172,9 +172,9 @@ class ModelRunner:
         Prompt tokens come from the host; a decoding request feeds the token it sampled last, read from
         `last_tokens` on the device (under overlap scheduling the host does not have it yet). With overlap
         scheduling (`masks_finished`), a decoding request whose last token is an end-of-sequence token it may stop
-        at (or one of its stop token ids) finished in the step before, booked only after this one was launched: it runs on the padding slot's
-        state, so that its own stays the state after its tokens (the prefix cache saves it); this step's token is
-        dropped."""
+        at (or one of its stop token ids) finished in the step before, booked only after this one was launched: it
+        runs on the padding slot's state, so that its own stays the state after its tokens (the prefix cache saves
+        it); this step's token is dropped."""
         decode_rows = batch.decode_rows
         if not any(decode_rows):
             return [t for req, p, n in zip(batch.reqs, batch.prefix_lens, batch.extend_lens)

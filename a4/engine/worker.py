@@ -44,6 +44,11 @@ class LaunchedStep:
         next_tokens, errors = zip(*(next(samples) if sampled else (None, None) for sampled in self.batch.booked_sample))
         return list(next_tokens), list(errors)
 
+    @property
+    def has_logprobs(self) -> bool:
+        """Whether the step computed log-probabilities for any of its requests (most steps: none)."""
+        return self.prompt_logprobs is not None or (self.samples is not None and self.samples.logprobs is not None)
+
     def book_logprobs(self, output_lens: list[int]) -> None:
         """Give the batch's requests the log-probabilities they asked for, once the step is booked: of the prompt
         tokens it fed, and of its token where the booking kept it (a request's output grew from output_lens)."""

@@ -4,8 +4,9 @@
 from it under a token budget (`max_prefill_tokens`), as in mini-sglang:
 
 - Requests are taken in arrival order. The n samples of one prompt (n > 1) are admitted together, with their
-  worst cases, and only the first is prefilled: the others fork from it (scheduler.py). The first one that cannot be admitted (no free slot, not enough memory)
-  stops the step: letting later, smaller requests overtake it could starve it forever.
+  worst cases, and only the first is prefilled: the others fork from it (scheduler.py). The first one that cannot
+  be admitted (no free slot, not enough memory) stops the step: letting later, smaller requests overtake it could
+  starve it forever.
 - A request whose remaining prompt exceeds the budget left gets only a chunk. It keeps its slot and its pages, is
   not sampled (its last prompt token has not been seen yet), and goes back to the front of the queue so that it
   resumes first in the next prefill step. Only the last request of a step is cut for the budget. A request is also

@@ -126,7 +126,8 @@ class Scheduler:
         if batch is None:
             return None
         batch.prefix_lens = [req.computed_len for req in batch.reqs]
-        batch.forks = [(row, fork) for row, (req, sampled, decode) in enumerate(zip(batch.reqs, batch.sample, batch.decode_rows))
+        rows = enumerate(zip(batch.reqs, batch.sample, batch.decode_rows))
+        batch.forks = [(row, fork) for row, (req, sampled, decode) in rows
                        if sampled and not decode for fork in req.forks if not fork.finished]  # fmt: skip
         self.cache_manager.allocate(batch.reqs, batch.extend_lens)
         self._launch(batch)
