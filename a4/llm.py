@@ -87,6 +87,10 @@ class LLM:
     ) -> list[Output]:
         """Continue every prompt; one SamplingParams for all, or one per prompt (default: greedy, 16 tokens).
 
+        One Output per prompt, in order; a prompt whose SamplingParams asks for `n` > 1 samples gets n Outputs, one
+        after the other (a flat list, as SGLang's offline engine returns): the samples share its one prefill
+        (`Engine.add_parallel_requests`).
+
         Every argument is checked before any prompt is queued. If an exception escapes (KeyboardInterrupt from an
         interrupted cell included), every request of this call is aborted before it propagates: the engine is as if
         the call had never been made, and the next call is served correctly.
@@ -106,7 +110,10 @@ class LLM:
         reqs = []
         try:
             for prompt, params in zip(prompts, sampling_params):
-                reqs.append(self.engine.add_request(prompt, params))
+                if params.n > 1:
+                    reqs += self.engine.add_parallel_requests(prompt, params)
+                else:
+                    reqs.append(self.engine.add_request(prompt, params))
             self.engine.run(reqs)
         except BaseException:
             for req in reqs:

@@ -2,7 +2,7 @@
 logits along the same sequence: through every step loop (plain, overlap scheduling, mixed steps), chunked prefill, the
 static-buffer runner (cuda_graphs=True runs it eagerly on the CPU), a sampled request (the logprobs are the model's
 raw distribution, not the temperature's), and the prefix cache, which a request asking for prompt logprobs skips; a
-speculative engine refuses them, request by request."""
+speculative engine refuses them, request by request; each of n samples has its own and the prompt's."""
 
 from __future__ import annotations
 
@@ -74,6 +74,20 @@ def test_prompt_logprobs_skip_the_prefix_cache_and_other_requests_compute_none(t
     # A request without prompt logprobs still hits what both left in the cache.
     [again] = llm.generate([prompt], SamplingParams(max_new_tokens=MAX_NEW))
     assert again.cached_tokens > 0 and again.token_ids == plain.token_ids
+    assert_clean(llm, tiny_qwen3_5)
+
+
+@pytest.mark.parametrize("loop", ["plain", "overlap"])
+def test_each_of_n_samples_has_its_logprobs_and_the_prompts(tiny_qwen3_5, loop):
+    """The n samples of a prompt fork from its one prefill: each gets the prompt logprobs that prefill scored, and
+    the logprob of every token it drew (its first, drawn from its parent's logits, too)."""
+    llm = LLM(tiny_qwen3_5, max_prefill_tokens=16, **LOOPS[loop])
+    params = SamplingParams(max_new_tokens=MAX_NEW, logprobs=TOP, prompt_logprobs=1, temperature=1.0, seed=5, n=3)
+    outputs = llm.generate([PROMPTS[0]], params)
+    assert len(outputs) == 3 and len({tuple(out.token_ids) for out in outputs}) > 1
+    for output in outputs:
+        assert len(output.logprobs) == len(output.token_ids)
+        assert_logprobs_are_transformers(tiny_qwen3_5, PROMPTS[0], output)
     assert_clean(llm, tiny_qwen3_5)
 
 

@@ -185,3 +185,7 @@ def test_n_samples_prefill_once_and_share_the_prompt(tiny_qwen3_5, overlap, page
     singles = [out.token_ids for out in llm.generate([PROMPTS[2]] * 3, [replace(sampled, seed=11 + j, n=1) for j in range(3)])]
     assert forks == singles and len({tuple(tokens) for tokens in forks}) > 1
     assert_clean(llm, tiny_qwen3_5)
+    # LLM.generate: a prompt's n samples one after the other, among the other prompts' outputs.
+    outputs = llm.generate([PROMPTS[1], PROMPTS[2]], [SamplingParams(max_new_tokens=MAX_NEW, n=2), sampled])
+    assert [out.token_ids for out in outputs] == [expected[0]] * 2 + singles
+    assert_clean(llm, tiny_qwen3_5)

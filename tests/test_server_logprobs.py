@@ -122,6 +122,25 @@ def test_echo_gives_the_prompts_logprobs_as_lm_eval_asks_for_them(server, chat_m
     assert usage["prompt_tokens"] == sum(map(len, prompts)) and usage["prompt_tokens_details"]["cached_tokens"] == 0
 
 
+def test_echo_with_logprobs_opens_each_of_n_choices(server, chat_model_dir, tokenizer):
+    """n samples of a prompt share its one prefill: each choice opens with the prompt and its logprobs (as vLLM's)."""
+    base_url, _ = server
+    prompt_ids = tokenizer.encode("The capital of France is Paris.")
+    body = {"model": MODEL, "prompt": prompt_ids, "echo": True, "logprobs": 1, "max_tokens": 3, "n": 2,
+            "temperature": 1.0, "seed": 1}  # fmt: skip
+    response = post(base_url, "v1/completions", body)
+    assert response.status_code == 200, response.text
+    choices = response.json()["choices"]
+    assert [choice["index"] for choice in choices] == [0, 1]
+    rows, allowed = expected_rows(chat_model_dir, prompt_ids)
+    for choice in choices:
+        lp = choice["logprobs"]
+        assert len(lp["tokens"]) == len(prompt_ids) + 3 and lp["token_logprobs"][0] is None
+        for position in range(1, len(prompt_ids)):
+            assert abs(lp["token_logprobs"][position] - rows[position - 1][prompt_ids[position]].item()) <= allowed
+        assert all(value is not None for value in lp["token_logprobs"][len(prompt_ids) :])
+
+
 def test_echo_streams_the_prompt_first(server, tokenizer):
     base_url, _ = server
     request = dict(model=MODEL, prompt="The capital of France is", max_tokens=4, temperature=0)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import gc
 import os
 import signal
+from dataclasses import replace
 
 import pytest
 import torch.distributed as dist
@@ -177,6 +178,20 @@ def test_qwen3_5_speculative_decoding(qwen3_5):
     with LLM(qwen3_5, tensor_parallel_size=2, speculative_tokens=2, **ENGINE) as llm:
         assert_matches_transformers(llm, qwen3_5, VARLEN[:3])
         assert llm.stats.draft_tokens > 0
+
+
+def test_qwen3_5_n_samples_fork_on_every_rank(qwen3_5):
+    """n > 1: the samples share the prompt's whole pages and copy its partial last page (a prompt of 17 tokens in
+    pages of 4) and its GDN state, on every rank alike."""
+    prompt = VARLEN[1]
+    with LLM(qwen3_5, tensor_parallel_size=2, page_size=4, max_prefill_tokens=16, max_running_requests=3) as llm:
+        greedy = llm.generate([prompt], SamplingParams(max_new_tokens=NEW_TOKENS, n=3))
+        assert [out.token_ids for out in greedy] == hf_greedy(qwen3_5, [prompt], NEW_TOKENS) * 3
+        sampled = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=1.0, seed=7, n=3)
+        forks = [out.token_ids for out in llm.generate([prompt], sampled)]
+        singles = [out.token_ids for out in llm.generate([prompt] * 3, [replace(sampled, seed=7 + j, n=1)
+                                                                        for j in range(3)])]  # fmt: skip
+        assert forks == singles and len({tuple(tokens) for tokens in forks}) > 1
 
 
 def test_qwen3_5_four_ranks():

@@ -61,9 +61,12 @@ def step_tensors(fb: ForwardBatch, device: torch.device) -> dict[str, torch.Tens
 
 @dataclass
 class PoolOp:
-    """StatePool.<method>(*args) on every worker; checkpoints are named by `key`s rank 0 gives them."""
+    """StatePool.<method>(*args) on every worker (KVPool's for copy_locations); checkpoints are named by `key`s rank 0
+    gives them."""
 
-    method: str  # clear, clear_new_requests, allocate_verify_states, commit_verified, save, restore, drop
+    # clear, clear_new_requests, allocate_verify_states, commit_verified, save, restore, drop, copy (a fork's state);
+    # copy_locations (a fork's partial page of KV)
+    method: str
     args: tuple
 
 

@@ -93,8 +93,10 @@ class Engine:
         # A verify step writes its k drafts' positions even when it keeps none of them: they are reserved too.
         lookahead = runner.tokens_per_decode - 1
         prefix_cache = create_prefix_cache(config, self.model_config, runner.state_pool)
+        # A fork's copy of a partial page is made on every rank (the other pools' operations are mirrored in the runner).
+        kv_copies = runner.kv_pool if tp is None else tp.mirror_kv_copies(runner.kv_pool)
         self.cache_manager = CacheManager(
-            runner.allocator, prefix_cache, runner.table_manager, runner.state_pool, lookahead, runner.kv_pool
+            runner.allocator, prefix_cache, runner.table_manager, runner.state_pool, lookahead, kv_copies
         )
         self.scheduler = Scheduler(
             runner.table_manager,
@@ -279,14 +281,14 @@ class Engine:
         return prompt_error(input_ids, self.model_config, self.max_context_len, self.memory_plan.num_tokens)
 
     def sampling_error(self, params: SamplingParams) -> str | None:
-        return sampling_error(params, self.model_config, bool(self.config.speculative_tokens), self.tp is not None,
+        return sampling_error(params, self.model_config, bool(self.config.speculative_tokens),
                               self.memory_plan.max_running_requests)  # fmt: skip
 
     def _book(self, step: LaunchedStep) -> list[Req]:
         """Book a launched step with the scheduler: its tokens, its finishes."""
         next_tokens, errors = step.result()
         # A step that computed logprobs books them with the tokens the booking keeps: each output's length before.
-        output_lens = [len(req.output_ids) for req in step.batch.reqs] if step.has_logprobs else None
+        output_lens = [len(req.output_ids) for req in step.batch.booked_reqs] if step.has_logprobs else None
         finished = self.scheduler.process_batch_output(step.batch, next_tokens, errors)
         if output_lens is not None:
             step.book_logprobs(output_lens)

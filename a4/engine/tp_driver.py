@@ -108,6 +108,9 @@ class TPDriver:
     def mirror_state_pool(self, pool):
         return None if pool is None else MirroredStatePool(pool, self)
 
+    def mirror_kv_copies(self, pool) -> MirroredKVCopies:
+        return MirroredKVCopies(pool, self)
+
     def serve(self, runner, *, load_mtp: bool) -> None:
         """Size the workers' pools as rank 0's (`runner`: its ModelRunner); from here they follow every call."""
         kv_pool, table = runner.kv_pool, runner.table_manager.req_to_token
@@ -268,6 +271,10 @@ class MirroredStatePool:
         self.pool.commit_verified(slots, kept_lens)
         self.driver.log(PoolOp("commit_verified", to_host((slots, kept_lens))))
 
+    def copy(self, src_slot: int, dst_slots) -> None:
+        self.pool.copy(src_slot, dst_slots)
+        self.driver.log(PoolOp("copy", (src_slot, list(dst_slots))))
+
     def save(self, slot: int) -> MirroredCheckpoint:
         key = self.driver.new_checkpoint_key()
         checkpoint = MirroredCheckpoint(self.pool.save(slot), key, self.driver)
@@ -280,3 +287,15 @@ class MirroredStatePool:
 
     def __getattr__(self, name: str):
         return getattr(self.pool, name)
+
+
+class MirroredKVCopies:
+    """Rank 0's KVPool as the cache manager sees it: a fork's copy of its prompt's partial last page is logged for the
+    workers, whose pools hold their own heads of the same locations."""
+
+    def __init__(self, pool, driver: TPDriver) -> None:
+        self.pool, self.driver = pool, driver
+
+    def copy_locations(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        self.pool.copy_locations(src, dst)
+        self.driver.log(PoolOp("copy_locations", to_host((src, dst))))

@@ -120,6 +120,8 @@ class RankWorker:
             pool.restore(self.checkpoints[key], slot)
         elif op.method == "drop":
             del self.checkpoints[args[0]]
+        elif op.method == "copy_locations":
+            self.kv_pool.copy_locations(*args)
         elif op.method == "clear_new_requests":
             # The students' rule decides which slots to clear, from what it reads of a Req: its slot and length.
             pool.clear_new_requests([Req(-1, [], SamplingParams(), slot=s, computed_len=n) for s, n in args[0]])

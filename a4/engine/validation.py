@@ -55,7 +55,7 @@ def prompt_error(input_ids: list[int], model_config: ModelConfig, max_context_le
     return None
 
 
-def sampling_error(params: SamplingParams, model_config: ModelConfig, speculative: bool, tensor_parallel: bool,
+def sampling_error(params: SamplingParams, model_config: ModelConfig, speculative: bool,
                    max_running_requests: int) -> str | None:  # fmt: skip
     """Why these SamplingParams cannot run on this engine, or None (their own values checked themselves)."""
     vocab_size = model_config.vocab_size
@@ -65,8 +65,6 @@ def sampling_error(params: SamplingParams, model_config: ModelConfig, speculativ
             return f"{name}: token ids {outside} are outside the vocabulary [0, {vocab_size})"
     if params.n > max_running_requests:
         return f"n: {params.n} samples run together, more than the engine runs at once ({max_running_requests})"
-    if tensor_parallel and params.n > 1:
-        return "n > 1 is not supported with tensor parallelism (a fork's copies are not mirrored to the other ranks)"
     if speculative:
         # A verify pass scores k drafts at once: the processors' state after each draft, and a fork of the drafter's
         # own KV, are not built.

@@ -50,14 +50,20 @@ class LaunchedStep:
         return self.prompt_logprobs is not None or (self.samples is not None and self.samples.logprobs is not None)
 
     def book_logprobs(self, output_lens: list[int]) -> None:
-        """Give the batch's requests the log-probabilities they asked for, once the step is booked: of the prompt
-        tokens it fed, and of its token where the booking kept it (a request's output grew from output_lens)."""
-        reqs = self.batch.reqs
+        """Give the batch's requests (its forks too) the log-probabilities they asked for, once the step is booked: of
+        the prompt tokens it fed, and of its token where the booking kept it (a request's output grew from
+        output_lens, one per booked request)."""
+        batch = self.batch
         if self.prompt_logprobs is not None:
-            self.prompt_logprobs.book(reqs)
+            self.prompt_logprobs.book(batch.reqs)
+        for row, fork in batch.forks:
+            # A fork's prompt is its parent's, scored once by the parent's prefill.
+            if fork.sampling_params.prompt_logprobs is not None:
+                fork.prompt_logprobs = list(batch.reqs[row].prompt_logprobs)
         if self.samples is None or self.samples.logprobs is None:
             return
-        sampled = [(req, n) for req, n, sampled in zip(reqs, output_lens, self.batch.sample) if sampled]
+        booked = zip(batch.booked_reqs, output_lens, batch.booked_sample, strict=True)
+        sampled = [(req, n) for req, n, sampled in booked if sampled]
         for (req, output_len), entry in zip(sampled, self.samples.token_logprobs()):
             if entry is not None and len(req.output_ids) > output_len:
                 req.output_logprobs.append(entry)

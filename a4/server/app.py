@@ -201,9 +201,6 @@ def create_app(
         if len(body.prompts) * body.n > engine_loop.capacity:
             raise APIError(400, f"prompt: {len(body.prompts)} prompts of {body.n} samples in one request, more than the "
                                 f"server holds at once ({engine_loop.capacity}): send fewer", param="prompt")  # fmt: skip
-        if body.echo and body.logprobs is not None and body.n > 1:
-            # The n samples fork after one prefill, which scored the prompt once: its logprobs open the first choice.
-            raise APIError(400, "n: echo with logprobs takes one sample of each prompt (n: 1)", param="n")
         if body.max_tokens == 0 and not body.echo:
             raise APIError(400, "max_tokens: must be at least 1 (0 only with echo: true, the prompt alone)",
                            param="max_tokens")  # fmt: skip
