@@ -2,7 +2,7 @@
 logits along the same sequence: through every step loop (plain, overlap scheduling, mixed steps), chunked prefill, the
 static-buffer runner (cuda_graphs=True runs it eagerly on the CPU), a sampled request (the logprobs are the model's
 raw distribution, not the temperature's), and the prefix cache, which a request asking for prompt logprobs skips; a
-speculative engine refuses them, request by request; each of n samples has its own and the prompt's."""
+speculative engine's verify steps, however many drafts they keep; each of n samples has its own and the prompt's."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 from a4 import LLM, SamplingParams
 from a4.course.checks._harness import model_reduction_length, tolerance
 from a4.models.config import load_model_config
-from a4.reference import hf_log_softmax
+from a4.reference import hf_greedy, hf_log_softmax
 from a4.speculative.drafter import OracleDrafter
 from test_fault_injection import assert_clean
 
@@ -91,11 +91,23 @@ def test_each_of_n_samples_has_its_logprobs_and_the_prompts(tiny_qwen3_5, loop):
     assert_clean(llm, tiny_qwen3_5)
 
 
-def test_a_speculative_engine_refuses_logprobs_and_serves_the_others(tiny_qwen3_5):
-    # Drafts that are never right (0 correct): the request is served token by token, as without drafts.
-    drafter = OracleDrafter({tuple(PROMPTS[1]): []}, 0, load_model_config(tiny_qwen3_5).vocab_size)
-    llm = LLM(tiny_qwen3_5, drafter=drafter, speculative_tokens=2)
-    asked, plain = llm.generate([PROMPTS[1]] * 2, [SamplingParams(max_new_tokens=2, prompt_logprobs=0),
-                                                   SamplingParams(max_new_tokens=2)])  # fmt: skip
-    assert asked.finish_reason == "error" and "speculative" in asked.error
-    assert plain.finish_reason == "length" and len(plain.token_ids) == 2
+@pytest.mark.parametrize(("k", "correct"), [(2, 1), (3, 3), (2, 0)], ids=["one-right", "all-right", "none-right"])
+def test_a_speculative_engine_gives_the_logprobs_of_every_token_it_kept(tiny_qwen3_5, k, correct):
+    """A verify step keeps each request's accepted drafts and one token more: each kept token's logprob is the
+    model's, as without drafts (vLLM's speculative decoding returns the target model's); the prompt's come from the
+    prefill, chunked here, and a request that asks for none gets none."""
+    continuations = dict(zip(map(tuple, PROMPTS), hf_greedy(tiny_qwen3_5, PROMPTS, MAX_NEW)))
+    drafter = OracleDrafter(continuations, correct, load_model_config(tiny_qwen3_5).vocab_size)
+    llm = LLM(tiny_qwen3_5, drafter=drafter, speculative_tokens=k, max_running_requests=3, max_prefill_tokens=16)
+    params = [SamplingParams(max_new_tokens=MAX_NEW, logprobs=TOP, prompt_logprobs=TOP),
+              SamplingParams(max_new_tokens=MAX_NEW, logprobs=1, prompt_logprobs=0, temperature=1.0, seed=3),
+              SamplingParams(max_new_tokens=MAX_NEW)]  # fmt: skip
+    outputs = llm.generate(PROMPTS, params)
+    assert outputs[0].token_ids == continuations[tuple(PROMPTS[0])]
+    for prompt, output, p in zip(PROMPTS[:2], outputs, params):
+        assert len(output.logprobs) == len(output.token_ids) == MAX_NEW
+        assert_logprobs_are_transformers(tiny_qwen3_5, prompt, output)
+        assert {len(entry.top) for entry in output.logprobs} == {p.logprobs}
+    assert outputs[2].logprobs is None and outputs[2].prompt_logprobs is None
+    assert llm.engine.stats.accepted_draft_tokens > 0 or correct == 0
+    assert_clean(llm, tiny_qwen3_5)

@@ -41,7 +41,7 @@ from a4.engine.model_runner import ModelRunner
 from a4.engine.sampling import Sampler
 from a4.engine.speculative_worker import SpeculativeWorker
 from a4.engine.stats import EngineStats
-from a4.engine.validation import check_sampling_params, logprobs_error, prompt_error, sampling_error
+from a4.engine.validation import check_sampling_params, prompt_error, sampling_error
 from a4.engine.worker import LaunchedStep, ModelWorker
 from a4.kvcache.radix_cache import NoPrefixCache
 from a4.models.registry import load_model
@@ -208,7 +208,6 @@ class Engine:
         error = (
             self._prompt_error(req.input_ids)
             or self.sampling_error(sampling_params)
-            or logprobs_error(sampling_params, self.config.speculative_tokens)
             or grammar_error(sampling_params, self.model_config, self.config.speculative_tokens)
         )
         if error is not None:

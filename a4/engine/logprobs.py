@@ -11,6 +11,10 @@ such a request's prompt chunks after the sampled rows (`prompt_logprob_rows`), a
 cache's lookup (a cached position has KV but no logits; a4/scheduler/cache.py), as vLLM does. Position j is scored by
 the logits of position j - 1, so the first prompt token has no logprob (None, as in vLLM), a chunk's last row scores
 the next chunk's first token, and the last chunk's last row is the one sampled from.
+
+A speculative engine's verify step keeps a different number of tokens per request (its accepted drafts and the token
+after them): each one's logprob comes from the verify row that scored it (`KeptLogprobs`), as vLLM's speculative
+decoding returns the target model's.
 """
 
 from __future__ import annotations
@@ -103,3 +107,32 @@ class PromptLogprobs:
             if r.position == 0:
                 req.prompt_logprobs.append(None)
             req.prompt_logprobs.extend(next(entries) for _ in range(r.count))
+
+
+@dataclass
+class KeptLogprobs:
+    """A verify step's log-probabilities of the tokens its requests kept, on their way to the host."""
+
+    kept: list[tuple[int, int]]  # (index in the batch, tokens kept) of each request that asks
+    pending: PendingLogprobs
+
+    @staticmethod
+    def launch(logits: torch.Tensor, reqs: list[Req], next_tokens: list[list[int]]) -> KeptLogprobs | None:
+        """logits [B, k + 1, vocab]: row j of a request scored its j-th kept token. None where no request asks."""
+        kept = [(i, len(tokens)) for i, (req, tokens) in enumerate(zip(reqs, next_tokens))
+                if req.sampling_params.logprobs is not None and tokens]  # fmt: skip
+        if not kept:
+            return None
+        width = logits.shape[1]
+        rows = to_device([i * width + j for i, n in kept for j in range(n)], logits.device)
+        targets = to_device([token for i, n in kept for token in next_tokens[i][:n]], logits.device)
+        k = max(reqs[i].sampling_params.logprobs for i, _ in kept)
+        return KeptLogprobs(kept, compute_logprobs(logits.flatten(0, 1)[rows], targets, k))
+
+    def book(self, reqs: list[Req], output_lens: list[int]) -> None:
+        """Append to each request's output_logprobs those of the tokens the booking kept (its output grew from
+        output_lens[i]; a stop string may have cut it shorter than the step kept)."""
+        entries = iter(self.pending.result([reqs[i].sampling_params.logprobs for i, n in self.kept for _ in range(n)]))
+        for i, n in self.kept:
+            mine = [next(entries) for _ in range(n)]
+            reqs[i].output_logprobs.extend(mine[: len(reqs[i].output_ids) - output_lens[i]])

@@ -8,6 +8,7 @@ sampled request accepts by rejection sampling (`rejection_accept`): each draft w
 distribution the plain sampler would draw from at that position, then one token drawn from the residual at the first
 rejection, or from p after the last draft if all were accepted; its tokens are distributed as plain sampling's, and
 its seed, if any, makes them reproducible (its random numbers come from its own generator). Both kinds share a batch.
+A request that asks for logprobs gets each kept token's from the verify row that scored it (`KeptLogprobs`).
 KV of rejected positions is simply overwritten later; a Gated DeltaNet
 state cannot be cut, so the verify pass kept the state after every position in the state pool's verify buffers, and
 the pool commits the one after the last kept token (`StatePool.commit_verified`, notebook 11's `spec-commit`) before
@@ -26,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from a4.core import Batch, ForwardMode, Req
+from a4.engine.logprobs import KeptLogprobs, prompt_logprob_rows
 from a4.engine.model_runner import ModelRunner, forward_mode
 from a4.engine.sampling import Sampler, logits_errors, sampling_distribution
 from a4.engine.worker import LaunchedStep, ModelWorker
@@ -44,6 +46,17 @@ class VerifiedStep(LaunchedStep):
 
     committed: list[int] = field(default_factory=list)
     hidden: torch.Tensor | None = None
+    # The kept tokens' log-probabilities, for the requests that ask (SamplingParams.logprobs).
+    kept_logprobs: KeptLogprobs | None = None
+
+    @property
+    def has_logprobs(self) -> bool:
+        return super().has_logprobs or self.kept_logprobs is not None
+
+    def book_logprobs(self, output_lens: list[int]) -> None:
+        super().book_logprobs(output_lens)
+        if self.kept_logprobs is not None:
+            self.kept_logprobs.book(self.batch.reqs, output_lens)
 
 
 class SpeculativeWorker(ModelWorker):
@@ -69,7 +82,14 @@ class SpeculativeWorker(ModelWorker):
             last_rows = [end - 1 for end, sampled in zip(ends, batch.sample) if sampled]
             sampled_reqs = [req for req, sampled in zip(batch.reqs, batch.sample) if sampled]
             samples = self.sampler.sample(out.logits[last_rows], sampled_reqs) if sampled_reqs else None
-            return VerifiedStep(batch, samples, committed=list(batch.extend_lens), hidden=out.hidden)
+            # Every row's logits are here already: those that score prompt tokens, in order.
+            prompt_rows = prompt_logprob_rows(batch)
+            prompt_logprobs = None
+            if prompt_rows:
+                scoring = [r.first_row + j for r in prompt_rows for j in range(r.count)]
+                prompt_logprobs = self.sampler.prompt_logprobs(out.logits[scoring], batch, prompt_rows)
+            return VerifiedStep(batch, samples, prompt_logprobs=prompt_logprobs, committed=list(batch.extend_lens),
+                                hidden=out.hidden)  # fmt: skip
         drafts = self._drafts(batch.reqs)
         input_ids = [
             t if t >= 0 else FILLER_TOKEN for req, d in zip(batch.reqs, drafts) for t in (req.output_ids[-1], *d)
@@ -78,8 +98,11 @@ class SpeculativeWorker(ModelWorker):
         next_tokens, errors, accepted = self._accept(batch, drafts, out.logits)
         drafted = sum(t >= 0 for d in drafts for t in d)
         committed = [len(tokens) for tokens in next_tokens]
+        scored = [[] if error is not None else tokens for tokens, error in zip(next_tokens, errors)]
+        kept_logprobs = KeptLogprobs.launch(out.logits.view(len(batch.reqs), self.num_draft_tokens + 1, -1),
+                                            batch.reqs, scored)  # fmt: skip
         return VerifiedStep(batch, None, (next_tokens, errors), drafted, accepted, committed=committed,
-                            hidden=out.hidden)
+                            hidden=out.hidden, kept_logprobs=kept_logprobs)
 
     def booked(self, step: VerifiedStep) -> None:
         self._observe(step.batch, step.committed, step.hidden)

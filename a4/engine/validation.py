@@ -22,15 +22,6 @@ def check_sampling_params(params: object) -> None:
         )
 
 
-def logprobs_error(params: SamplingParams, speculative_tokens: int) -> str | None:
-    """Why this engine cannot give the log-probabilities asked for, or None."""
-    if speculative_tokens and (params.logprobs is not None or params.prompt_logprobs is not None):
-        # A verify step keeps a variable number of tokens per request, scored by the distribution it verifies
-        # against; logprobs there are not built yet.
-        return "logprobs and prompt_logprobs are not served by a speculative engine (speculative_tokens > 0) yet"
-    return None
-
-
 def prompt_error(input_ids: list[int], model_config: ModelConfig, max_context_len: int, kv_tokens: int) -> str | None:
     """Why this prompt cannot run, or None. (SamplingParams check themselves on construction.)"""
     if len(input_ids) == 0:
