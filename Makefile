@@ -87,7 +87,8 @@ release: $(STAMP)
 bench: $(STAMP)
 	A4_SOLUTIONS=1 $(PY) -m a4 bench
 
-# Retrain the tiny Qwen3.5 that ships in a4/trained/qwen3_5-tiny (minutes on 2 cores; the shipped run's log is there).
+# Retrain the tiny Qwen3.5 that ships in a4/trained/qwen3_5-tiny (minutes on a GPU, hours on 2 cores; the shipped
+# run's log is there).
 train-tiny: $(STAMP)
 	OMP_NUM_THREADS=2 $(PY) -m a4.train_tiny
 
