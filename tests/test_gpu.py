@@ -38,7 +38,7 @@ def without_fla(expression: str) -> object:
     code = (
         "import json\nfrom a4.bench.gpu import block_kernel_packages\nblock_kernel_packages()\n"
         "from a4.checkpoints import tiny_checkpoint\n"
-        "from a4.reference import hf_greedy, hf_token_ranks\n"
+        "from a4.reference import hf_greedy, hf_log_softmax, hf_token_ranks\n"
         f"print(json.dumps({expression}))"
     )
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=os.environ | {"CUDA_VISIBLE_DEVICES": ""},
@@ -186,6 +186,41 @@ def test_bfloat16_verify_accepts_the_drafts_of_a_plain_run(model, batch):
     assert llm.stats.draft_tokens > 0
     if batch == 1 and "moe" not in ckpt:
         assert same == len(PROMPTS) and llm.stats.acceptance_rate >= 0.95
+
+
+@pytest.mark.parametrize("speculative", [False, True], ids=["plain", "speculative"])
+def test_logprobs_are_transformers_log_softmax(speculative):
+    """Token and prompt logprobs on the GPU (overlap scheduling, the decode or verify steps captured), against
+    transformers' float32 log-softmax along the same tokens; with drafts, each kept token's from its verify row."""
+    from a4.course.checks._harness import model_reduction_length, tolerance
+    from a4.models.config import load_model_config
+    from a4.speculative.drafter import OracleDrafter
+
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    prompts = PROMPTS[2:6]
+    ckpt, reference, expected = without_fla(
+        f"[str(ckpt := tiny_checkpoint('qwen3_5')), out := hf_greedy(ckpt, {prompts!r}, {MAX_NEW}), "
+        f"[hf_log_softmax(ckpt, p + o).tolist() for p, o in zip({prompts!r}, out)]]"
+    )
+    options = {}
+    if speculative:
+        drafts = {tuple(p): out for p, out in zip(prompts, reference)}
+        options = dict(drafter=OracleDrafter(drafts, correct=1, vocab_size=1024), speculative_tokens=2)
+    llm = LLM(ckpt, device="cuda", max_running_requests=3, max_prefill_tokens=48, **options)
+    outputs = llm.generate(prompts, SamplingParams(max_new_tokens=MAX_NEW, logprobs=3, prompt_logprobs=3))
+    assert [out.token_ids for out in outputs] == reference
+    for prompt, out, rows in zip(prompts, outputs, expected):
+        sequence, rows = prompt + out.token_ids, torch.tensor(rows)
+        reduction = model_reduction_length(load_model_config(ckpt), len(sequence))
+        allowed = 2 * tolerance(torch.float32, reduction) * rows.abs().max().item()
+        entries = [*out.prompt_logprobs[1:], *out.logprobs]
+        assert [entry.token_id for entry in entries] == sequence[1:]
+        for position, entry in enumerate(entries):
+            assert abs(entry.logprob - rows[position, entry.token_id].item()) <= allowed, (position, entry)
+            # Ties aside, the same three tokens: each one's reference logprob is its value.
+            top_ids, top_values = [t for t, _ in entry.top], torch.tensor([v for _, v in entry.top])
+            torch.testing.assert_close(top_values, rows[position].topk(3).values, atol=allowed, rtol=0)
+            torch.testing.assert_close(rows[position, top_ids], top_values, atol=allowed, rtol=0)
 
 
 class OneRankTensorParallelEngine:
