@@ -78,6 +78,26 @@ def test_penalties_equal_the_naive_reference(chat_model_dir, overlap, penalties)
     assert_clean(llm, chat_model_dir)
 
 
+def test_a_speculative_engine_serves_processed_requests_without_drafts(chat_model_dir):
+    """As in vLLM, a request whose sampler keeps state along its tokens (penalties) or changes its logits
+    (logit_bias) is served without drafts on a speculative engine, one token a step, beside requests drafted by the
+    checkpoint's MTP module: each equals its reference."""
+    llm = LLM(chat_model_dir, speculative_tokens=2, max_running_requests=4, max_prefill_tokens=32)
+    max_new = 12
+    penalized = SamplingParams(max_new_tokens=max_new, ignore_eos=True, repetition_penalty=0.5,
+                               presence_penalty=-0.5, frequency_penalty=0.7)  # fmt: skip
+    plain = SamplingParams(max_new_tokens=max_new, ignore_eos=True)
+    first = naive_greedy(chat_model_dir, CHAT_PROMPTS[1], plain)[0]
+    biased = SamplingParams(max_new_tokens=max_new, ignore_eos=True, logit_bias={first: -100.0, 13: 2.0})
+    outputs = [out.token_ids for out in llm.generate(CHAT_PROMPTS, [penalized, biased, plain])]
+    assert outputs == [naive_greedy(chat_model_dir, prompt, params)
+                       for prompt, params in zip(CHAT_PROMPTS, [penalized, biased, plain])]  # fmt: skip
+    assert first not in outputs[1]
+    stats = llm.engine.stats
+    assert 0 < stats.accepted_draft_tokens <= stats.draft_tokens <= 2 * (max_new - 1)  # the plain request's alone
+    assert_clean(llm, chat_model_dir)
+
+
 @pytest.mark.parametrize("overlap", OVERLAP, ids=lambda overlap: f"overlap{int(overlap)}")
 def test_logit_bias_forces_and_forbids_tokens(tiny_qwen3_5, overlap):
     llm = build(tiny_qwen3_5, overlap)

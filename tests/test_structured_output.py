@@ -1,5 +1,5 @@
 """Structured output (`response_format`, a4/engine/grammar.py): greedy JSON of the trained tiny Qwen3.5 under a few
-schemas, through the engine (plain and overlap scheduling) and the server.
+schemas, through the engine (plain, overlap scheduling, speculative: the grammar request undrafted) and the server.
 
 The reference: transformers' logits over the prompt and a4's output, each position masked with the bits that a fresh
 xgrammar matcher, fed a4's tokens, gives there; a4's token must be the masked argmax at every position, and the
@@ -65,9 +65,14 @@ def masked_greedy_choices(model_dir, grammar: xgr.CompiledGrammar, prompt: list[
     return choices
 
 
-@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap"])
-def test_greedy_json_is_transformers_masked_argmax_and_valid(chat_model_dir, tokenizer, grammars, overlap):
-    llm = LLM(chat_model_dir, overlap_schedule=overlap, max_running_requests=4)
+# A speculative engine serves a request with a grammar without drafts (its matcher follows one token a step), the
+# request without one beside it with the checkpoint's MTP drafts.
+LOOPS = {"plain": {}, "overlap": {"overlap_schedule": True}, "speculative": {"speculative_tokens": 2}}
+
+
+@pytest.mark.parametrize("loop", LOOPS, ids=list(LOOPS))
+def test_greedy_json_is_transformers_masked_argmax_and_valid(chat_model_dir, tokenizer, grammars, loop):
+    llm = LLM(chat_model_dir, max_running_requests=4, **LOOPS[loop])
     engine = llm.engine
     prompts = {name: chat_prompt_ids(tokenizer, [{"role": "user", "content": question}])
                for name, (_, question) in SCHEMAS.items()}  # fmt: skip
@@ -91,6 +96,8 @@ def test_greedy_json_is_transformers_masked_argmax_and_valid(chat_model_dir, tok
     assert not engine.has_unfinished_requests
     assert engine.table_manager.available_size == engine.memory_plan.max_running_requests
     assert not engine.sampler._grammars, "a finished request's grammar matcher was kept"
+    if loop == "speculative":
+        assert engine.stats.accepted_draft_tokens > 0
 
 
 def test_a_schema_is_compiled_once(grammars):
@@ -104,17 +111,16 @@ def test_a_schema_is_compiled_once(grammars):
 
 def test_what_the_engine_cannot_follow_is_refused(grammars, chat_model_dir, tiny_qwen3_5):
     config, grammar = load_model_config(chat_model_dir), grammars.json_object()
-    assert grammar_error(SamplingParams(grammar=grammar), config, speculative_tokens=0) is None
+    assert grammar_error(SamplingParams(grammar=grammar), config) is None
     refusals = [
-        (SamplingParams(grammar=grammar, ignore_eos=True), config, 0, "ignore_eos"),
-        (SamplingParams(grammar=grammar), config, 2, "speculative decoding"),
+        (SamplingParams(grammar=grammar, ignore_eos=True), config, "ignore_eos"),
         # Compiled for the trained model's 1280 tokens, given to the random tiny model's 1024.
-        (SamplingParams(grammar=grammar), load_model_config(tiny_qwen3_5), 0, "vocabulary of 1280 tokens"),
+        (SamplingParams(grammar=grammar), load_model_config(tiny_qwen3_5), "vocabulary of 1280 tokens"),
     ]  # fmt: skip
-    for params, model_config, speculative_tokens, says in refusals:
-        assert says in grammar_error(params, model_config, speculative_tokens)
+    for params, model_config, says in refusals:
+        assert says in grammar_error(params, model_config)
     with pytest.raises(TypeError, match="CompiledGrammar"):
-        grammar_error(SamplingParams(grammar=json.dumps({"type": "object"})), config, 0)
+        grammar_error(SamplingParams(grammar=json.dumps({"type": "object"})), config)
 
 
 # --------------------------------------------------------------------------------------------------------- server
@@ -192,11 +198,11 @@ def test_ignore_eos_with_a_grammar_is_a_400(server):
     assert raised.value.param == "response_format" and "ignore_eos" in raised.value.message
 
 
-def test_a_speculative_server_refuses_a_grammar_and_serves_on(chat_model_dir, tokenizer):
+def test_a_speculative_server_follows_a_grammar(chat_model_dir, tokenizer):
     app = build_app(chat_model_dir, tokenizer, speculative_tokens=1, max_running_requests=2)
     with running_server(app) as base_url:
-        with pytest.raises(openai.BadRequestError) as raised:
-            client(base_url).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
-                                                     max_tokens=4, response_format={"type": "json_object"})
-        assert raised.value.param == "response_format" and "speculative decoding" in raised.value.message
-        assert client(base_url).completions.create(model=MODEL, prompt="Hi", max_tokens=2).choices[0].text is not None
+        answer = client(base_url).chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "What is 3 plus 4?"}], max_tokens=MAX_TOKENS,
+            temperature=0, response_format={"type": "json_object"})  # fmt: skip
+        assert answer.choices[0].finish_reason == "stop"
+        assert isinstance(json.loads(answer.choices[0].message.content), dict)

@@ -208,7 +208,7 @@ class Engine:
         error = (
             self._prompt_error(req.input_ids)
             or self.sampling_error(sampling_params)
-            or grammar_error(sampling_params, self.model_config, self.config.speculative_tokens)
+            or grammar_error(sampling_params, self.model_config)
         )
         if error is not None:
             req.finished, req.finish_reason, req.error = True, "error", error

@@ -71,7 +71,7 @@ class GrammarBackend:
             raise ValueError(re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", str(e)).strip()) from None
 
 
-def grammar_error(params: SamplingParams, model_config: ModelConfig, speculative_tokens: int) -> str | None:
+def grammar_error(params: SamplingParams, model_config: ModelConfig) -> str | None:
     """Why this request's grammar cannot be followed by this engine, or None (no grammar, or one it can follow).
     A grammar that is not xgrammar's CompiledGrammar is a TypeError: a caller's mistake."""
     grammar = params.grammar
@@ -85,8 +85,6 @@ def grammar_error(params: SamplingParams, model_config: ModelConfig, speculative
                 f"has {model_config.vocab_size}: compile it with this model's tokenizer")  # fmt: skip
     if params.ignore_eos:
         return "a grammar ends the output with an end-of-sequence token: it cannot be combined with ignore_eos"
-    if speculative_tokens:
-        return "structured output (a grammar) is not supported with speculative decoding"
     return None
 
 

@@ -16,7 +16,9 @@ the scheduler books the step, so that a prefix-cache checkpoint only ever holds 
 catches up with what was committed (`Drafter.observe`), from the final hidden state of every committed row.
 
 A drafter may propose fewer than k tokens for a request (the protocol's "up to"): the missing ones are fed as token
-0 and never accepted. More than k is the drafter's bug, refused with an error naming it.
+0 and never accepted. More than k is the drafter's bug, refused with an error naming it. A request with penalties,
+`logit_bias`, `min_tokens` or a grammar is not drafted at all (`drafted`): it is sampled from its first row, as a
+decode step samples it.
 """
 
 from __future__ import annotations
@@ -57,6 +59,15 @@ class VerifiedStep(LaunchedStep):
         super().book_logprobs(output_lens)
         if self.kept_logprobs is not None:
             self.kept_logprobs.book(self.batch.reqs, output_lens)
+
+
+def drafted(req: Req) -> bool:
+    """Whether req's next tokens are drafted. Not where its sampler keeps state along its tokens (penalties and
+    min_tokens count them, a grammar's matcher follows them) or changes its logits (logit_bias): a verify pass
+    would need that state after each draft. As vLLM does (`is_spec_decode_unsupported`), such a request is served
+    without drafts, one token a step from its verify block's first row, beside the drafted ones."""
+    params = req.sampling_params
+    return not params.processes_logits and params.grammar is None
 
 
 class SpeculativeWorker(ModelWorker):
@@ -111,7 +122,8 @@ class SpeculativeWorker(ModelWorker):
         """k tokens per request, -1 where there is no draft: the drafter's, for as many tokens as the request may
         still keep after the model's own (at most k), padded where it proposed fewer."""
         k = self.num_draft_tokens
-        wanted = [min(k, req.sampling_params.max_new_tokens - len(req.output_ids) - 1) for req in reqs]
+        wanted = [min(k, req.sampling_params.max_new_tokens - len(req.output_ids) - 1) if drafted(req) else 0
+                  for req in reqs]  # fmt: skip
         proposed = self.drafter.propose(reqs, wanted)
         if len(proposed) != len(reqs):
             raise ValueError(
@@ -132,9 +144,11 @@ class SpeculativeWorker(ModelWorker):
         reqs, width = batch.reqs, self.num_draft_tokens + 1
         logits = logits.view(len(reqs), width, -1)
         accepted, last_tokens, errors = [0] * len(reqs), [-1] * len(reqs), [None] * len(reqs)
-        sampled = [req.sampling_params.temperature > 0 for req in reqs]
-        for accept, samples in ((self._accept_greedy, False), (self._accept_sampled, True)):
-            rows = [i for i, s in enumerate(sampled) if s == samples]
+        kinds = [self._accept_undrafted if not drafted(req) else
+                 self._accept_sampled if req.sampling_params.temperature > 0 else self._accept_greedy
+                 for req in reqs]  # fmt: skip
+        for accept in (self._accept_greedy, self._accept_sampled, self._accept_undrafted):
+            rows = [i for i, kind in enumerate(kinds) if kind == accept]
             if rows:
                 # All rows (the usual case) need no gather of the logits.
                 mine = logits if len(rows) == len(reqs) else logits[rows]
@@ -163,6 +177,12 @@ class SpeculativeWorker(ModelWorker):
         # On the host, where the sampler's tokens already are: a few ints are not worth launches and a sync.
         accepted = greedy_accept(torch.tensor(drafts), torch.tensor(targets)).tolist()
         return accepted, [t[a] for t, a in zip(targets, accepted)], errors
+
+    def _accept_undrafted(self, reqs: list[Req], drafts: list[list[int]], logits: torch.Tensor):
+        """Per request that was not drafted: none accepted, its token sampled from its first row as a decode step
+        samples it (its processors and grammar applied once, their state advanced by that token), error."""
+        samples = self.sampler.sample(logits[:, 0], reqs).result()
+        return [0] * len(reqs), [s.token if s.token is not None else -1 for s in samples], [s.error for s in samples]
 
     def _accept_sampled(self, reqs: list[Req], drafts: list[list[int]], logits: torch.Tensor):
         """Per sampled request: drafts accepted, the token drawn after them, error (logits [B, k+1, vocab])."""

@@ -56,12 +56,7 @@ def sampling_error(params: SamplingParams, model_config: ModelConfig, speculativ
             return f"{name}: token ids {outside} are outside the vocabulary [0, {vocab_size})"
     if params.n > max_running_requests:
         return f"n: {params.n} samples run together, more than the engine runs at once ({max_running_requests})"
-    if speculative:
-        # A verify pass scores k drafts at once: the processors' state after each draft, and a fork of the drafter's
-        # own KV, are not built.
-        if params.processes_logits:
-            return ("penalties, logit_bias and min_tokens are not supported with speculative decoding "
-                    "(speculative_tokens > 0)")  # fmt: skip
-        if params.n > 1:
-            return "n > 1 is not supported with speculative decoding (speculative_tokens > 0)"
+    if speculative and params.n > 1:
+        # The samples would fork the drafter's own per-request state and KV too, which is not built.
+        return "n > 1 is not supported with speculative decoding (speculative_tokens > 0)"
     return None

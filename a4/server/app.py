@@ -305,8 +305,8 @@ def create_app(
         params = checked_sampling_params(body, default_max_tokens)
         if body.response_format is not None and body.response_format.type != "text":
             params = replace(params, grammar=await run_in_threadpool(compiled_grammar, body.response_format))
-            # What the engine would refuse (a speculative engine), as a 400 naming the field.
-            if error := grammar_error(params, engine.model_config, engine.config.speculative_tokens):
+            # What the engine would refuse, as a 400 naming the field.
+            if error := grammar_error(params, engine.model_config):
                 raise APIError(400, f"response_format: {error}", param="response_format")
         pieces: list[Pieces] = []
         streaming = False  # once the stream's generator has the requests, it closes them
