@@ -107,12 +107,12 @@ class SpeculativeWorker(ModelWorker):
         ]
         out = self.runner.forward(batch, input_ids, every_row=True)
         next_tokens, errors, accepted = self._accept(batch, drafts, out.logits)
-        drafted = sum(t >= 0 for d in drafts for t in d)
+        draft_tokens = sum(t >= 0 for d in drafts for t in d)
         committed = [len(tokens) for tokens in next_tokens]
         scored = [[] if error is not None else tokens for tokens, error in zip(next_tokens, errors)]
         kept_logprobs = KeptLogprobs.launch(out.logits.view(len(batch.reqs), self.num_draft_tokens + 1, -1),
                                             batch.reqs, scored)  # fmt: skip
-        return VerifiedStep(batch, None, (next_tokens, errors), drafted, accepted, committed=committed,
+        return VerifiedStep(batch, None, (next_tokens, errors), draft_tokens, accepted, committed=committed,
                             hidden=out.hidden, kept_logprobs=kept_logprobs)
 
     def booked(self, step: VerifiedStep) -> None:
@@ -166,15 +166,13 @@ class SpeculativeWorker(ModelWorker):
         return next_tokens, errors, sum(accepted)
 
     def _accept_greedy(self, reqs: list[Req], drafts: list[list[int]], logits: torch.Tensor):
-        """Per greedy request: drafts accepted, the model's token after them, error (logits [B, k+1, vocab])."""
-        width = logits.shape[1]
-        samples = self.sampler.sample(logits.flatten(0, 1), [req for req in reqs for _ in range(width)]).result()
-        errors, targets = [], []
-        for i in range(len(reqs)):
-            mine = samples[i * width : (i + 1) * width]
-            errors.append(next((s.error for s in mine if s.error is not None), None))
-            targets.append([s.token if s.token is not None else -1 for s in mine])
-        # On the host, where the sampler's tokens already are: a few ints are not worth launches and a sync.
+        """Per greedy request: drafts accepted, the model's token after them, error (logits [B, k+1, vocab]). A
+        drafted request has no processors and no grammar (`drafted`): its token at each row is the argmax."""
+        errors = logits_errors(logits)
+        # A request whose logits are not finite has no token there (-1): it accepts nothing and finishes with its error.
+        targets = [row if error is None else [-1] * len(row)
+                   for row, error in zip(logits.argmax(dim=-1).tolist(), errors)]  # fmt: skip
+        # On the host, where the argmax tokens already are: a few ints are not worth launches and a sync.
         accepted = greedy_accept(torch.tensor(drafts), torch.tensor(targets)).tolist()
         return accepted, [t[a] for t, a in zip(targets, accepted)], errors
 
