@@ -98,6 +98,23 @@ def test_a_speculative_engine_serves_processed_requests_without_drafts(chat_mode
     assert_clean(llm, chat_model_dir)
 
 
+def test_n_samples_on_a_speculative_engine(chat_model_dir):
+    """On a speculative engine the n samples of a prompt are n requests, each prefilling it (vLLM's fan-out): greedy
+    ones are transformers' output each, seeded ones equal the single requests with seed + j, MTP drafts are accepted
+    along the way, and the engine ends idle."""
+    llm = LLM(chat_model_dir, speculative_tokens=2, max_running_requests=4, max_prefill_tokens=32)
+    greedy = SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True, n=3)
+    expected = naive_greedy(chat_model_dir, CHAT_PROMPTS[0], replace(greedy, n=1))
+    assert [out.token_ids for out in llm.generate([CHAT_PROMPTS[0]], greedy)] == [expected] * 3
+    assert llm.engine.stats.prefill_tokens == 3 * len(CHAT_PROMPTS[0])
+    assert llm.engine.stats.accepted_draft_tokens > 0
+    sampled = SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True, temperature=1.5, seed=5, n=3)
+    samples = [out.token_ids for out in llm.generate([CHAT_PROMPTS[0]], sampled)]
+    singles = [out.token_ids for out in llm.generate([CHAT_PROMPTS[0]] * 3, [replace(sampled, seed=5 + j, n=1) for j in range(3)])]
+    assert samples == singles and len({tuple(tokens) for tokens in samples}) > 1
+    assert_clean(llm, chat_model_dir)
+
+
 @pytest.mark.parametrize("overlap", OVERLAP, ids=lambda overlap: f"overlap{int(overlap)}")
 def test_logit_bias_forces_and_forbids_tokens(tiny_qwen3_5, overlap):
     llm = build(tiny_qwen3_5, overlap)

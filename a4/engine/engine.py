@@ -188,7 +188,11 @@ class Engine:
         prompt is prefilled once, by the first; the others fork from it when its last prefill step is launched:
         they draw their first tokens from its logits, share its KV pages, and get a copy of its Gated DeltaNet state
         each (`CacheManager.fork`). With a seed, sample j draws with seed + j, as in vLLM. Aborting the first
-        before it has forked aborts them all."""
+        before it has forked aborts them all.
+
+        On a speculative engine each sample prefills the prompt itself, as vLLM's parallel sampling does with every
+        sample (its frontend fans a request out into n): a fork would need the drafter's state for its own first
+        token, which differs from its parent's (the MTP module reads the token after each position)."""
         check_sampling_params(sampling_params)
         with self.serving():
             seed = sampling_params.seed
@@ -198,7 +202,11 @@ class Engine:
             if not reqs[0].finished:  # the same prompt and parameters: all are refused, or none
                 for req in reqs:
                     self.sampler.add_req(req)
-                self.scheduler.add_req(reqs[0], reqs[1:])
+                if self.config.speculative_tokens:
+                    for req in reqs:
+                        self.scheduler.add_req(req)
+                else:
+                    self.scheduler.add_req(reqs[0], reqs[1:])
             return reqs
 
     def _new_request(self, input_ids: list[int], sampling_params: SamplingParams) -> Req:
@@ -280,8 +288,7 @@ class Engine:
         return prompt_error(input_ids, self.model_config, self.max_context_len, self.memory_plan.num_tokens)
 
     def sampling_error(self, params: SamplingParams) -> str | None:
-        return sampling_error(params, self.model_config, bool(self.config.speculative_tokens),
-                              self.memory_plan.max_running_requests)  # fmt: skip
+        return sampling_error(params, self.model_config, self.memory_plan.max_running_requests)
 
     def _book(self, step: LaunchedStep) -> list[Req]:
         """Book a launched step with the scheduler: its tokens, its finishes."""

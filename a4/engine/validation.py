@@ -1,5 +1,5 @@
 """What the engine checks of a request before it queues it: its SamplingParams' type, what of them depends on the
-engine (token ids in the vocabulary, what a speculative engine cannot do), and its prompt.
+engine (token ids in the vocabulary, n within the running requests), and its prompt.
 
 A caller's mistake (SamplingParams of another type) is an exception; a request that cannot run (an empty prompt, a
 token outside the vocabulary, a prompt too long for the context) finishes at once with finish_reason "error" and
@@ -46,8 +46,7 @@ def prompt_error(input_ids: list[int], model_config: ModelConfig, max_context_le
     return None
 
 
-def sampling_error(params: SamplingParams, model_config: ModelConfig, speculative: bool,
-                   max_running_requests: int) -> str | None:  # fmt: skip
+def sampling_error(params: SamplingParams, model_config: ModelConfig, max_running_requests: int) -> str | None:
     """Why these SamplingParams cannot run on this engine, or None (their own values checked themselves)."""
     vocab_size = model_config.vocab_size
     for name, tokens in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias or {})):
@@ -56,7 +55,4 @@ def sampling_error(params: SamplingParams, model_config: ModelConfig, speculativ
             return f"{name}: token ids {outside} are outside the vocabulary [0, {vocab_size})"
     if params.n > max_running_requests:
         return f"n: {params.n} samples run together, more than the engine runs at once ({max_running_requests})"
-    if speculative and params.n > 1:
-        # The samples would fork the drafter's own per-request state and KV too, which is not built.
-        return "n > 1 is not supported with speculative decoding (speculative_tokens > 0)"
     return None
