@@ -67,7 +67,15 @@ notebooks: $(STAMP)
 # The book's source root is the repository root (see book/_config.yml); notebooks run against the reference
 # solutions, widgets fall back to static figures, and a failing cell or any warning fails the build. Then the
 # tests of the built pages (tables, offline math, page 08's figures), which need this fresh build.
+# The notebooks run first, two at a time with one torch thread each (jupyter-cache's parallel executor; Jupyter Book
+# runs them one after another), into a cache emptied first, since it would notice a change in a notebook but not in
+# a4's code; the build reads their outputs from it (book/_config.yml: execute_notebooks: cache).
+BOOK_CACHE := book/_build/.jupyter_cache
 book: $(STAMP)
+	rm -rf $(BOOK_CACHE)
+	yes | $(VENV)/bin/jcache notebook -p $(BOOK_CACHE) add notebooks/[0-9][0-9]_*.ipynb > /dev/null
+	A4_SOLUTIONS=1 A4_STATIC=1 OMP_NUM_THREADS=1 $(VENV)/bin/jcache project -p $(BOOK_CACHE) execute \
+		--executor local-parallel --timeout 300
 	A4_SOLUTIONS=1 A4_STATIC=1 $(VENV)/bin/jupyter-book build . --config book/_config.yml --toc book/_toc.yml \
 		--path-output book --all -W -n --keep-going
 	A4_SOLUTIONS=1 A4_BOOK_HTML=book/_build/html $(PY) -m pytest -q tests/test_book.py

@@ -63,8 +63,13 @@ def pages(html_dir: Path) -> dict[str, str]:
 
 
 def executed(html_dir: Path, stem: str) -> dict:
-    """The notebook as the book build ran it (Jupyter Book writes the executed copy beside the html folder)."""
-    return json.loads((html_dir.parent / "jupyter_execute" / "notebooks" / f"{stem}.ipynb").read_text())
+    """The notebook as the book build ran it: its outputs from the cache `make book` filled and the build read
+    (book/_config.yml; the copy Jupyter Book writes beside the html folder keeps the source's empty outputs)."""
+    from jupyter_cache import get_cache
+
+    source = read_notebook(REPO_ROOT / "notebooks" / f"{stem}.ipynb")
+    _, notebook = get_cache(str(html_dir.parent / ".jupyter_cache")).merge_match_into_notebook(source)
+    return notebook
 
 
 class TableParser(HTMLParser):
