@@ -78,11 +78,19 @@ def test_penalties_equal_the_naive_reference(chat_model_dir, overlap, penalties)
     assert_clean(llm, chat_model_dir)
 
 
-def test_a_speculative_engine_serves_processed_requests_without_drafts(chat_model_dir):
+def test_a_speculative_engine_serves_processed_requests_without_drafts(chat_model_dir, monkeypatch):
     """As in vLLM, a request whose sampler keeps state along its tokens (penalties) or changes its logits
     (logit_bias) is served without drafts on a speculative engine, one token a step, beside requests drafted by the
-    checkpoint's MTP module: each equals its reference."""
+    checkpoint's MTP module: each equals its reference, and the MTP module runs for the drafted request alone."""
     llm = LLM(chat_model_dir, speculative_tokens=2, max_running_requests=4, max_prefill_tokens=32)
+    drafter, observed = llm.engine.worker.drafter, set()
+    observe = drafter.observe
+
+    def observe_and_record(reqs, committed, hidden):
+        observed.update(tuple(req.input_ids) for req in reqs)
+        observe(reqs, committed, hidden)
+
+    monkeypatch.setattr(drafter, "observe", observe_and_record)
     max_new = 12
     penalized = SamplingParams(max_new_tokens=max_new, ignore_eos=True, repetition_penalty=0.5,
                                presence_penalty=-0.5, frequency_penalty=0.7)  # fmt: skip
@@ -95,6 +103,7 @@ def test_a_speculative_engine_serves_processed_requests_without_drafts(chat_mode
     assert first not in outputs[1]
     stats = llm.engine.stats
     assert 0 < stats.accepted_draft_tokens <= stats.draft_tokens <= 2 * (max_new - 1)  # the plain request's alone
+    assert observed == {tuple(CHAT_PROMPTS[2])}
     assert_clean(llm, chat_model_dir)
 
 

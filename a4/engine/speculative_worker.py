@@ -202,12 +202,12 @@ class SpeculativeWorker(ModelWorker):
         return accepted, tokens, errors
 
     def _observe(self, batch: Batch, committed: list[int], hidden: torch.Tensor) -> None:
-        """The drafter catches up, once the step is booked, over each unfinished request's committed rows (the first
-        of its block)."""
+        """The drafter catches up, once the step is booked, over each unfinished drafted request's committed rows
+        (the first of its block); a request that is never drafted needs none of its state."""
         reqs = batch.reqs
         width = batch.extend_lens
         starts = [end - n for end, n in zip(itertools.accumulate(width), width)]
-        going_on = [i for i, req in enumerate(reqs) if not req.finished and committed[i] > 0]
+        going_on = [i for i, req in enumerate(reqs) if not req.finished and committed[i] > 0 and drafted(req)]
         if going_on:
             rows = [row for i in going_on for row in range(starts[i], starts[i] + committed[i])]
             self.drafter.observe([reqs[i] for i in going_on], [committed[i] for i in going_on], hidden[rows])
