@@ -65,11 +65,11 @@ notebooks: $(STAMP)
 	$(PY) -m a4.course verify-notebooks
 
 # The book's source root is the repository root (see book/_config.yml); notebooks run against the reference
-# solutions, widgets fall back to static figures, and a failing cell or any warning fails the build. Then the
-# tests of the built pages (tables, offline math, page 08's figures), which need this fresh build.
-# The notebooks run first, two at a time with one torch thread each (jupyter-cache's parallel executor; Jupyter Book
-# runs them one after another), into a cache emptied first, since it would notice a change in a notebook but not in
-# a4's code; the build reads their outputs from it (book/_config.yml: execute_notebooks: cache).
+# solutions, widgets fall back to static figures, and a failing cell or any warning fails the build. The notebooks
+# run first, two at a time with one torch thread each (jupyter-cache's parallel executor; Jupyter Book would run them
+# one after another), into a cache emptied first, since it would notice a change in a notebook but not in a4's code;
+# the build reads their outputs from it (execute_notebooks: cache). Then the tests of the built pages (tables,
+# offline math, page 08's figures), which need this fresh build.
 BOOK_CACHE := book/_build/.jupyter_cache
 book: $(STAMP)
 	rm -rf $(BOOK_CACHE)
