@@ -26,12 +26,15 @@ unit: $(STAMP)
 # AVX2's). The files that compare a4's floating-point results with transformers' (layers, models, the engines' greedy
 # tokens, logprobs), where another order of the sums could flip a token or pass a tolerance; the rest (the server,
 # the course tooling, pools and trees of integers) runs the same arithmetic or none, and CI's time is better spent
-# elsewhere. `make unit ATEN_CPU_CAPABILITY=default` runs everything that way.
+# elsewhere. `make unit ATEN_CPU_CAPABILITY=default` runs everything that way. The training script's reproduction of
+# the shipped run (a minute and a half on one worker) is left to `make unit`: its tolerance, 1e-3 relative, is set to
+# tell a changed recipe, far above the ~1e-7 that another order of the sums moves a loss.
 PORTABLE_TESTS = test_deltanet test_gated_attention test_gdn_decode test_layers test_merged_linear test_moe test_mtp \
 	test_qwen3_5_model test_qwen3_model test_engine_qwen3 test_engine_qwen3_5 test_step_loop test_speculative \
 	test_speculative_verify test_logprobs test_sampling_params test_tensor_parallel_layers test_trained_checkpoint
 unit-portable: $(STAMP)
 	ATEN_CPU_CAPABILITY=default OMP_NUM_THREADS=$(THREADS) A4_SOLUTIONS=1 $(PY) -m pytest -q -n 2 --dist loadfile \
+		--deselect tests/test_trained_checkpoint.py::test_the_training_script_reproduces_the_shipped_run \
 		$(PORTABLE_TESTS:%=tests/%.py)
 
 # Notebooks in JupyterLab in a real browser (tests/test_browser.py, about 3 minutes on 2 cores): Playwright from the
