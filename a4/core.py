@@ -253,6 +253,15 @@ class ForwardMode(enum.Enum):
     # Speculative decoding's verify pass: every request feeds the same number L of tokens, its last committed token
     # and L - 1 drafts. The Gated DeltaNet layers keep their states after each of the L tokens beside the pool.
     TARGET_VERIFY = "target_verify"
+    # A mixed step (EngineConfig.enable_mixed_chunk): prompts' tokens, then one token for each of the last
+    # `ForwardBatch.num_decodes` requests, in one forward. The layers run it whole (row by row); their backends see
+    # its two parts, an EXTEND and a DECODE, each with the context of its own (a4/engine/forward_batch.py's
+    # `MixedBackend`), as vLLM's attention and GDN backends split a batch into its prefills and its decodes.
+    MIXED = "mixed"
+
+    def is_extend(self) -> bool:
+        """Whether the step feeds prompt tokens, in any number per request (SGLang's `is_extend`)."""
+        return self in (ForwardMode.EXTEND, ForwardMode.MIXED)
 
 
 class AttentionBackend(Protocol):
@@ -317,6 +326,8 @@ class ForwardBatch:
     # overlap scheduling a request whose EOS is booked only after this step was launched runs on a padding row here,
     # so that its state stays the state its prefix-cache checkpoint needs (a4/engine/model_runner.py).
     state_slots: torch.Tensor | None = None
+    # MIXED steps: how many requests, the last ones, feed one decode token each after the prompts' tokens.
+    num_decodes: int = 0
 
     def __post_init__(self) -> None:
         if self.state_slots is None:

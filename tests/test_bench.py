@@ -372,6 +372,10 @@ def test_gpu_parts_run_on_the_cpu(capsys):
     for variant in (throughput, throughput["no_overlap"], throughput["mixed"]):
         assert low * workload.throughput_requests <= variant["output_tokens"] <= high * workload.throughput_requests
         assert variant["output_tokens"] == throughput["output_tokens"]
+        steps = variant["steps"]
+        assert steps["prefill_steps"] > 0 and steps["decode_steps"] > 0
+        assert 0 < steps["prefill_seconds"] + steps["decode_seconds"] <= variant["seconds"]
+    assert throughput["steps"]["mixed_steps"] == 0 == throughput["no_overlap"]["steps"]["mixed_steps"]
     floor = report["floor"]
     assert floor["hbm_bytes_per_s"] > 0 and floor["bf16_flop_per_s"] > 0
     # The tiny model's bytes, independently: every parameter once, in bfloat16 (2 bytes).

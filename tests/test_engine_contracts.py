@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import pytest
 
 from a4 import LLM, SamplingParams
-from a4.core import ForwardMode, Req
+from a4.core import Req
 from a4.reference import hf_greedy
 from a4.speculative.drafter import OracleDrafter
 
@@ -190,8 +190,8 @@ class Once:
 
 def phase_of(args) -> str:
     """The phase of the forward a decoder layer's hook sees (its last argument is the step's ForwardBatch): "prefill"
-    for an EXTEND step, "decode" otherwise."""
-    return "prefill" if args[-1].mode is ForwardMode.EXTEND else "decode"
+    for an EXTEND step (a mixed one included), "decode" otherwise."""
+    return "prefill" if args[-1].mode.is_extend() else "decode"
 
 
 @pytest.fixture(scope="module", params=["qwen3", "qwen3_5"])

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from a4 import LLM, SamplingParams
-from a4.core import ForwardMode, Req
+from a4.core import Req
 from a4.course.checks._harness import assert_close, model_reduction_length, tolerance
 from a4.models.config import load_model_config
 from a4.reference import hf_greedy, hf_prefill_capture
@@ -94,7 +94,7 @@ class LayerInterrupt:
         steps = []
 
         def hook(module, args, output):
-            if (args[-1].mode is ForwardMode.EXTEND) == (phase == "prefill"):
+            if args[-1].mode.is_extend() == (phase == "prefill"):
                 steps.append(phase)
                 if len(steps) == step + 1:
                     raise KeyboardInterrupt(f"injected in layer {layer}, {phase} step {step}")

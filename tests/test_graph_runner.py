@@ -135,17 +135,45 @@ def test_the_step_is_of_the_mode_given_and_writes_where_the_table_says(prefix_le
 
 
 @pytest.mark.parametrize(
-    ("mode", "prefix_lens", "extend_lens"),
-    [("DECODE", [0, 9], [1, 1]), ("DECODE", [5, 9], [1, 2]), ("TARGET_VERIFY", [5, 9], [2, 3])],
-)
-def test_a_step_that_does_not_fit_its_mode_is_refused(mode, prefix_lens, extend_lens):
-    # A decode step is one token after a prefix for every request, a verify step the same count for every request.
+    ("mode", "prefix_lens", "extend_lens", "num_decodes"),
+    [("DECODE", [0, 9], [1, 1], 0), ("DECODE", [5, 9], [1, 2], 0), ("TARGET_VERIFY", [5, 9], [2, 3], 0),
+     ("MIXED", [0, 9], [3, 2], 1), ("MIXED", [0, 0], [3, 1], 1), ("MIXED", [0, 9], [3, 1], 0),
+     ("MIXED", [5, 9], [1, 1], 2), ("EXTEND", [0, 9], [3, 1], 1)],
+)  # fmt: skip
+def test_a_step_that_does_not_fit_its_mode_is_refused(mode, prefix_lens, extend_lens, num_decodes):
+    # A decode step is one token after a prefix for every request, a verify step the same count for every request,
+    # a mixed step prompts and then at least one decode (and only a mixed step has decodes after its prompts).
     table = torch.arange(2 * 16).reshape(2, 16)
     with pytest.raises(ValueError, match=mode):
         build_forward_batch(
             ForwardMode[mode], input_ids=[0] * sum(extend_lens), slots=[1, 0], prefix_lens=prefix_lens,
-            extend_lens=extend_lens, sample_indices=[], req_to_token=table, kv_pool=None,
+            extend_lens=extend_lens, sample_indices=[], req_to_token=table, kv_pool=None, num_decodes=num_decodes,
         )  # fmt: skip
+
+
+def test_a_mixed_step_is_an_extend_and_a_decode_for_its_backend():
+    # Two prompts (one after a prefix), then two decodes: the backend's two contexts are those the builder makes of
+    # each part alone.
+    table = torch.arange(4 * 16).reshape(4, 16)
+    slots, prefix_lens, extend_lens = [2, 0, 3, 1], [0, 4, 7, 9], [3, 2, 1, 1]
+    fb = build_forward_batch(
+        ForwardMode.MIXED, input_ids=list(range(7)), slots=slots, prefix_lens=prefix_lens, extend_lens=extend_lens,
+        sample_indices=[2, 4, 5, 6], req_to_token=table, kv_pool=None, num_decodes=2,
+    )  # fmt: skip
+    assert fb.mode is ForwardMode.MIXED and fb.mode.is_extend()
+    backend = fb.attn_backend
+    for part, mode, reqs, rows in ((backend.prefill, ForwardMode.EXTEND, slice(0, 2), slice(0, 5)),
+                                   (backend.decode, ForwardMode.DECODE, slice(2, 4), slice(5, 7))):  # fmt: skip
+        alone = build_forward_batch(
+            mode, input_ids=list(range(7))[rows], slots=slots[reqs], prefix_lens=prefix_lens[reqs],
+            extend_lens=extend_lens[reqs], sample_indices=[], req_to_token=table, kv_pool=None,
+        )  # fmt: skip
+        assert part.mode is mode
+        for name in ("input_ids", "positions", "slots", "seq_lens", "cu_seqlens", "out_cache_loc", "state_slots"):
+            assert getattr(part, name).tolist() == getattr(alone, name).tolist(), name
+        assert (part.max_seq_len, part.extend_lens, part.prefix_lens) == (alone.max_seq_len, alone.extend_lens,
+                                                                         alone.prefix_lens)  # fmt: skip
+        assert type(part.attn_metadata) is type(alone.attn_metadata)
 
 
 @pytest.mark.parametrize("page_size", [1, 4])

@@ -166,6 +166,45 @@ def test_tensor_parallel_with_overlap_and_mixed_steps(tiny_qwen3_5):
     assert [out.token_ids for out in outputs] == hf_greedy(tiny_qwen3_5, PROMPTS, MAX_NEW)
 
 
+def test_a_mixed_step_runs_its_decodes_as_a_decode_step(tiny_qwen3_5, monkeypatch):
+    """A mixed step's backends run its prompt as an EXTEND and its decodes as a DECODE (`MixedBackend`): notebook
+    04's chunked rule and the attention's per-request prefill see the prompt alone, the one-token recurrent step and
+    the batched decode attention see the decoding requests together, in the same step. Output = transformers."""
+    import a4.layers.attention as attention
+    import a4.layers.gdn_backend as gdn_backend
+
+    calls = []
+
+    def recording(module, name, count):
+        original = getattr(module, name)
+
+        def record(*args):
+            calls.append((name, count(*args)))
+            return original(*args)
+
+        monkeypatch.setattr(module, name, record)
+
+    recording(gdn_backend, "chunk_gated_delta_rule", lambda *args: len(args[-2]) - 1)  # sequences (cu_seqlens)
+    recording(gdn_backend, "recurrent_gated_delta_rule", lambda *args: args[0].shape[0])  # rows
+    recording(attention, "_extend_attention", lambda q, k, v, k_buf, v_buf, fb, scale: fb.batch_size)
+    recording(attention, "_decode_attention", lambda q, k_buf, v_buf, meta, scale: q.shape[0])
+    llm = build(tiny_qwen3_5, (False, True), max_prefill_tokens=64)
+    engine = llm.engine
+    params = SamplingParams(max_new_tokens=MAX_NEW)
+    reqs = [engine.add_request(prompt, params) for prompt in PROMPTS[3:5]]
+    while not all(req.output_ids for req in reqs):
+        engine.step()
+    reqs.append(engine.add_request(PROMPTS[0], params))
+    calls.clear()
+    engine.step()
+    assert engine.stats.mixed_steps == 1
+    assert set(calls) == {("chunk_gated_delta_rule", 1), ("recurrent_gated_delta_rule", 2), ("_extend_attention", 1),
+                          ("_decode_attention", 2)}  # fmt: skip
+    engine.run(reqs)
+    assert [req.output_ids for req in reqs] == hf_greedy(tiny_qwen3_5, [*PROMPTS[3:5], PROMPTS[0]], MAX_NEW)
+    assert_clean(llm, tiny_qwen3_5)
+
+
 def test_a_captured_first_prefill_is_not_mixed(tiny_qwen3_5):
     """With the static runner (`cuda_graphs=True`, on the CPU its GPU path run eagerly), a prompt's first prefill
     runs as one captured step: mixing the decodes into it would run them all eagerly, so it runs alone. The later

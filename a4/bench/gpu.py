@@ -63,7 +63,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -81,6 +81,7 @@ DTYPE_NAME = "bfloat16"
 DTYPE = getattr(torch, DTYPE_NAME)
 # The throughput part's engines: the default one first (its figures are the part's), then the others by name.
 THROUGHPUT_VARIANTS = {"default": {}, "no_overlap": {"overlap_schedule": False}, "mixed": {"enable_mixed_chunk": True}}
+THROUGHPUT_COUNTERS = ("prefill_steps", "decode_steps", "mixed_steps", "prefill_seconds", "decode_seconds")
 # The a4 systems and their engine options.
 A4_SYSTEMS = {
     "a4": {"cuda_graphs": True},
@@ -242,6 +243,7 @@ def measure_throughput(model_dir: Path, workload: Workload, device: torch.device
         llm = LLM(model_dir, dtype=DTYPE_NAME, device=device, max_running_requests=n,
                   max_prefill_tokens=MAX_PREFILL_TOKENS, enable_prefix_cache=False, cuda_graphs=True, **options)  # fmt: skip
         llm.generate(prompts[:2], SamplingParams(max_new_tokens=4, ignore_eos=True))  # warm-up
+        before = replace(llm.stats)
         start = time.perf_counter()
         outputs = llm.generate(prompts, params)
         if device.type == "cuda":
@@ -255,6 +257,9 @@ def measure_throughput(model_dir: Path, workload: Workload, device: torch.device
             "seconds": seconds,
             "input_tok_per_s": sum(input_lens) / seconds,
             "output_tok_per_s": output_tokens / seconds,
+            # Where the seconds went, by the kind of step (a mixed step counts as a prefill step, apart too): the
+            # engine's own counters, each step call's wall time.
+            "steps": {name: getattr(llm.stats, name) - getattr(before, name) for name in THROUGHPUT_COUNTERS},
         }
         llm.close()
         del llm, outputs
@@ -849,6 +854,14 @@ def print_table(report: dict) -> None:
             f"{part['output_tokens']:,} output tokens) in {part['seconds']:.1f} s: {part['input_tok_per_s']:,.0f} input "
             f"and {part['output_tok_per_s']:,.0f} output tok/s"
         )
+        for variant in ("default", *(name for name in THROUGHPUT_VARIANTS if name in part)):
+            run = part if variant == "default" else part[variant]
+            steps = run.get("steps")  # reports before the counters have none
+            split = "" if steps is None else (
+                f": {steps['prefill_steps']} prefill steps ({steps['mixed_steps']} mixed) "
+                f"{steps['prefill_seconds']:.1f} s, {steps['decode_steps']} decode steps "
+                f"{steps['decode_seconds']:.1f} s")
+            print(f"  {variant:<10} {run['output_tok_per_s']:>9,.0f} output tok/s in {run['seconds']:.1f} s{split}")
     if "speculative" in report:
         from a4.bench.spec import print_decode
 

@@ -5,6 +5,13 @@ worker from what rank 0 sent (a4/distributed/protocol.py's `StepInputs`).
 The model runner builds every step's context here, and so do the drafter, the course's hand-stepped checks and the
 benches, through `build_forward_batch`. The mode is given by the caller, from the scheduler's batch: it is never
 guessed from the lengths (a one-token prompt tail after a prefix hit is an EXTEND step, not a decode step).
+
+A MIXED step (prompts' tokens, then one token for each decoding request) is one context for the layers, which work
+row by row, and two for its backend (`MixedBackend`): an EXTEND over the prompts and a DECODE over the decodes, so
+that its decodes take the decode path, one batched attention call and the Gated DeltaNet step by slot, as vLLM's
+backends split a batch into its prefills and its decodes. As length-1 sequences of the prompts' path they would cost
+what a prompt's tokens cost: an attention call each, and on the CPU a 64-token chunk each in notebook 04's chunked
+rule (a CPU mixed step of one 256-token prompt and 64 decodes took 1.5x its prefill and decode steps apart).
 """
 
 from __future__ import annotations
@@ -30,15 +37,23 @@ def build_forward_batch(
     state_pool: GDNStates | None = None,
     attn_backend: AttentionBackend | None = None,
     state_slots: torch.Tensor | None = None,
+    num_decodes: int = 0,
 ) -> ForwardBatch:
     """The context of an eager step: request i feeds extend_lens[i] tokens at positions prefix_lens[i] onwards, in
     slot slots[i], whose row of req_to_token already holds the locations of those positions. `attn_backend`
     defaults to torch's attention with, for a hybrid model (a state pool given), notebook 04's GDN functions.
-    `state_slots` (on the device): the state rows, where they are not the slots (ForwardBatch.state_slots)."""
-    if mode is not ForwardMode.EXTEND and len(set(extend_lens)) > 1:
+    `state_slots` (on the device): the state rows, where they are not the slots (ForwardBatch.state_slots).
+    `num_decodes`: a MIXED step's decoding requests, the last ones."""
+    if not mode.is_extend() and len(set(extend_lens)) > 1:
         raise ValueError(f"a {mode.name} step feeds every request the same number of tokens, got {extend_lens}")
     if mode is ForwardMode.DECODE and (extend_lens[0] != 1 or min(prefix_lens) == 0):
         raise ValueError(f"a DECODE step feeds one token after a prefix, got {extend_lens} after {prefix_lens}")
+    if (mode is ForwardMode.MIXED) != (num_decodes > 0) or not 0 <= num_decodes < len(slots):
+        raise ValueError(f"a MIXED step, and only one, has prompts and then 1 to n decodes: {mode.name} step of "
+                         f"{len(slots)} requests with num_decodes={num_decodes}")  # fmt: skip
+    if num_decodes and (set(extend_lens[-num_decodes:]) != {1} or min(prefix_lens[-num_decodes:]) == 0):
+        raise ValueError(f"a MIXED step's last {num_decodes} requests decode: one token each after a prefix, got "
+                         f"{extend_lens} after {prefix_lens}")  # fmt: skip
     if attn_backend is None:
         attn_backend = default_backend(state_pool)
     device = req_to_token.device
@@ -68,9 +83,9 @@ def build_forward_batch(
         extend_lens=list(extend_lens),
         prefix_lens=list(prefix_lens),
         state_slots=state_slots,
+        num_decodes=num_decodes,
     )
-    attn_backend.prepare(fb)
-    return fb
+    return prepared(fb)
 
 
 def static_forward_batch(
@@ -177,8 +192,70 @@ def rank_forward_batch(
         attn_backend=attn_backend,
         **step_tensors(step.fb, device),
     )
-    attn_backend.prepare(fb)
+    return prepared(fb)
+
+
+def prepared(fb: ForwardBatch) -> ForwardBatch:
+    """fb with its backend's metadata prepared; a MIXED step's backend becomes a `MixedBackend` over it."""
+    if fb.mode is ForwardMode.MIXED:
+        fb.attn_backend = MixedBackend(fb)
+    else:
+        fb.attn_backend.prepare(fb)
     return fb
+
+
+class MixedBackend:
+    """A MIXED step's backend: each layer's call runs on the prompts' rows as an EXTEND step and on the decodes'
+    rows as a DECODE step, through the step's own backend, each part with a context of its own (`mixed_parts`,
+    prepared once per step), and the two outputs come back in the step's row order."""
+
+    def __init__(self, fb: ForwardBatch) -> None:
+        self.backend = fb.attn_backend
+        self.prefill, self.decode = mixed_parts(fb)
+        self.backend.prepare(self.prefill)
+        self.backend.prepare(self.decode)
+        self.split = self.prefill.input_ids.shape[0]
+
+    def prepare(self, fb: ForwardBatch) -> None:
+        """Nothing: the parts were prepared when the step was built."""
+
+    def forward(self, q, k, v, fb: ForwardBatch, pool_layer: int, scale: float) -> torch.Tensor:
+        # The step's keys and values are already in the pool (paged_attention writes them first), where the
+        # decode part reads its own.
+        return self._in_parts(lambda part, rows: self.backend.forward(q[rows], k[rows], v[rows], part, pool_layer,
+                                                                      scale))  # fmt: skip
+
+    def conv(self, x: torch.Tensor, weight: torch.Tensor, gdn_layer: int, fb: ForwardBatch) -> torch.Tensor:
+        return self._in_parts(lambda part, rows: self.backend.conv(x[rows], weight, gdn_layer, part))
+
+    def delta_rule(self, q, k, v, a, b, A_log, dt_bias, gdn_layer: int, fb: ForwardBatch) -> torch.Tensor:
+        return self._in_parts(lambda part, rows: self.backend.delta_rule(q[rows], k[rows], v[rows], a[rows], b[rows],
+                                                                         A_log, dt_bias, gdn_layer, part))  # fmt: skip
+
+    def _in_parts(self, run) -> torch.Tensor:
+        prompts = run(self.prefill, slice(None, self.split))
+        decodes = run(self.decode, slice(self.split, None))
+        # A GPU backend's decode rule gives its o in the model dtype already, the prompts' rule in float32.
+        return torch.cat([prompts, decodes.to(prompts.dtype)])
+
+
+def mixed_parts(fb: ForwardBatch) -> tuple[ForwardBatch, ForwardBatch]:
+    """A MIXED step's two contexts: an EXTEND over its prompts, a DECODE over its last `num_decodes` requests, views
+    of the step's own tensors (the parts are never given to the model, and sample nothing)."""
+    num_prompts = fb.batch_size - fb.num_decodes
+    split = sum(fb.extend_lens[:num_prompts])
+
+    def part(mode: ForwardMode, reqs: slice, rows: slice, cu_seqlens: torch.Tensor) -> ForwardBatch:
+        seq_lens = [p + n for p, n in zip(fb.prefix_lens[reqs], fb.extend_lens[reqs])]
+        return replace(fb, mode=mode, input_ids=fb.input_ids[rows], positions=fb.positions[rows],
+                       slots=fb.slots[reqs], seq_lens=fb.seq_lens[reqs], cu_seqlens=cu_seqlens,
+                       max_seq_len=max(seq_lens), out_cache_loc=fb.out_cache_loc[rows],
+                       sample_indices=fb.sample_indices[:0], extend_lens=fb.extend_lens[reqs],
+                       prefix_lens=fb.prefix_lens[reqs], state_slots=fb.state_slots[reqs], num_decodes=0)  # fmt: skip
+
+    prompts, decodes = slice(None, num_prompts), slice(num_prompts, None)
+    return (part(ForwardMode.EXTEND, prompts, slice(None, split), fb.cu_seqlens[: num_prompts + 1]),
+            part(ForwardMode.DECODE, decodes, slice(split, None), fb.cu_seqlens[num_prompts:] - split))  # fmt: skip
 
 
 def default_backend(state_pool: GDNStates | None) -> AttentionBackend:

@@ -4,7 +4,8 @@ It owns the model, the memory plan and what it pays for (the request-slot table,
 hybrid model, the page allocator), the backends and the static-buffer runner (graph_runner.py). `forward(batch)`
 builds the step's ForwardBatch (forward_batch.py), its mode set once from the batch, and runs the model on it:
 
-    Batch (scheduler) --> ForwardMode: prefill -> EXTEND; decode -> DECODE, or TARGET_VERIFY with drafts
+    Batch (scheduler) --> ForwardMode: prefill -> EXTEND; mixed -> MIXED (prompts, then decodes); decode -> DECODE,
+                          or TARGET_VERIFY with drafts
                       --> ForwardBatch (slots, positions, KV locations, pools, backend: prepared once)
                       --> model: attention layers -> attention backend -> KV pool
                                  Gated DeltaNet layers -> GDN backend -> state pool
@@ -44,8 +45,8 @@ class ModelOutput(NamedTuple):
     logits: torch.Tensor  # [S, vocab] float32
 
 
-# The forward mode of each kind of step the scheduler makes: a mixed step runs its decodes as one-token extends.
-FORWARD_MODES = {"prefill": ForwardMode.EXTEND, "mixed": ForwardMode.EXTEND, "decode": ForwardMode.DECODE,
+# The forward mode of each kind of step the scheduler makes.
+FORWARD_MODES = {"prefill": ForwardMode.EXTEND, "mixed": ForwardMode.MIXED, "decode": ForwardMode.DECODE,
                  "verify": ForwardMode.TARGET_VERIFY}  # fmt: skip
 
 
@@ -146,13 +147,13 @@ class ModelRunner:
         if input_ids is None:
             input_ids, state_slots = self._inputs(batch)
         runner = self.graph_runner
-        prompt_rows = prompt_logprob_rows(batch) if mode is ForwardMode.EXTEND and not every_row else []
+        prompt_rows = prompt_logprob_rows(batch) if mode.is_extend() and not every_row else []
         static_prefill = mode is ForwardMode.EXTEND and runner is not None and not every_row and not prompt_rows
         if static_prefill and runner.takes_prefill(prefix_lens, extend_lens):
             hidden, logits = runner.prefill(input_ids, reqs[0].slot)
             rows = int(batch.sample[0])  # a chunk that does not end its prompt samples nothing
             return ModelOutput(hidden[:rows], logits[:rows])
-        if mode is not ForwardMode.EXTEND and runner is not None:
+        if not mode.is_extend() and runner is not None:
             # Every row of a decode or verify step is wanted: each request samples from each of its tokens.
             positions = [p + j for p, n in zip(prefix_lens, extend_lens) for j in range(n)]
             return ModelOutput(*runner.forward(mode, input_ids, positions, [req.slot for req in reqs], state_slots))
@@ -163,7 +164,8 @@ class ModelRunner:
             sample_indices = [end - 1 for end, sampled in zip(ends, batch.sample) if sampled]
             sample_indices += [r.first_row + j for r in prompt_rows for j in range(r.count)]
         slots = [req.slot for req in reqs]
-        fb = self.forward_batch(mode, input_ids, slots, prefix_lens, extend_lens, sample_indices, state_slots)
+        fb = self.forward_batch(mode, input_ids, slots, prefix_lens, extend_lens, sample_indices, state_slots,
+                                sum(batch.decode_rows) if mode is ForwardMode.MIXED else 0)  # fmt: skip
         return ModelOutput(*self.model(fb, with_hidden=True))
 
     def _inputs(self, batch: Batch) -> tuple[list[int] | torch.Tensor, torch.Tensor | None]:
@@ -209,7 +211,7 @@ class ModelRunner:
         self.last_tokens[to_device([req.slot for req in reqs], self.device)] = tokens
 
     def forward_batch(self, mode: ForwardMode, input_ids, slots, prefix_lens, extend_lens, sample_indices,
-                      state_slots: torch.Tensor | None = None):  # fmt: skip
+                      state_slots: torch.Tensor | None = None, num_decodes: int = 0):  # fmt: skip
         """A ForwardBatch over this runner's table, pools and eager backend (the drafter's steps are built here
         too)."""
         return build_forward_batch(
@@ -224,4 +226,5 @@ class ModelRunner:
             state_pool=self.state_pool,
             attn_backend=self.backend,
             state_slots=state_slots,
+            num_decodes=num_decodes,
         )
