@@ -11,7 +11,8 @@ row by row, and two for its backend (`MixedBackend`): an EXTEND over the prompts
 that its decodes take the decode path, one batched attention call and the Gated DeltaNet step by slot, as vLLM's
 backends split a batch into its prefills and its decodes. As length-1 sequences of the prompts' path they would cost
 what a prompt's tokens cost: an attention call each, and on the CPU a 64-token chunk each in notebook 04's chunked
-rule (a CPU mixed step of one 256-token prompt and 64 decodes took 1.5x its prefill and decode steps apart).
+rule (on 2 CPU cores a mixed step of one 256-token prompt and 64 decodes took 1.95x its prefill and decode steps
+apart that way, 0.94x as it runs now).
 """
 
 from __future__ import annotations
