@@ -189,6 +189,13 @@ class Req:
     def all_ids(self) -> list[int]:
         return self.input_ids + self.output_ids
 
+    def ids_between(self, start: int, stop: int) -> list[int]:
+        """all_ids[start:stop] (0 <= start <= stop), without copying the whole prompt and output into all_ids first:
+        a step reads a few tokens of each request, whose context may be thousands long."""
+        prompt_len = len(self.input_ids)
+        from_output = self.output_ids[max(start - prompt_len, 0) : max(stop - prompt_len, 0)]
+        return self.input_ids[start:stop] + from_output if start < prompt_len else from_output
+
     @property
     def device_len(self) -> int:
         """Tokens whose KV (or state) the engine will hold once the next forward has run."""

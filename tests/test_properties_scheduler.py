@@ -200,3 +200,12 @@ def test_pages_slots_and_states_stay_consistent(
         assert engine.cache.protected_size == 0
         assert engine.allocator.num_free_pages + engine.cache.evictable_size // page_size == engine.num_pages
         assert engine.table.available_size == slots
+
+
+@given(st.lists(st.integers(0, 9), max_size=12), st.lists(st.integers(0, 9), max_size=12), st.data())
+def test_a_requests_ids_between_two_positions_are_its_prompt_and_output_sliced(prompt, output, data):
+    req = Req(uid=0, input_ids=prompt, sampling_params=SamplingParams())
+    req.output_ids = output
+    start = data.draw(st.integers(0, len(prompt) + len(output) + 2))
+    stop = data.draw(st.integers(start, len(prompt) + len(output) + 4))
+    assert req.ids_between(start, stop) == (prompt + output)[start:stop]

@@ -96,7 +96,7 @@ class MTPDrafter:
     def observe(self, reqs: Sequence[Req], committed: Sequence[int], hidden: torch.Tensor) -> None:
         # Row r of request i is position p = computed_len - committed[i] + r; its next token is all_ids[p + 1].
         starts = [req.computed_len - n for req, n in zip(reqs, committed)]
-        next_ids = [t for req, p, n in zip(reqs, starts, committed) for t in req.all_ids[p + 1 : p + n + 1]]
+        next_ids = [t for req, p, n in zip(reqs, starts, committed) for t in req.ids_between(p + 1, p + n + 1)]
         last_rows = [end - 1 for end in itertools.accumulate(committed)]
         out = self._forward(ForwardMode.EXTEND, next_ids, reqs, starts, committed, hidden, last_rows)
         slots = torch.tensor([req.slot for req in reqs], device=hidden.device)
