@@ -12,10 +12,14 @@
 - the fused norms (`rmsnorm`): the zero-centred and the gated RMSNorm against the torch modules they replace, on
   contiguous rows and on strided heads; the residual add and the norm in one launch (`add_and_norm`) against the
   torch add and the module;
+- partial RoPE (`rope`): the students' `apply_partial_rope` bit for bit, on strided query heads, and
+  `use_fused_rope`'s rebinding for one module alone;
 - SwiGLU's activation (`activation`): silu(gate) * up against torch's, on the two halves of one merged product,
   and a GatedMLP routed through it against the torch module;
 - the small-batch linear layer (`gemv`): 1 to 4 rows of 0.8B-shaped and odd-sized projections against a float64 matmul,
   strided rows, and `use_gemv`'s routing (more rows, or lm_head's width, stay with F.linear);
+- the greedy sampler's argmax and finiteness in one read (`greedy`): torch's argmax (ties, rows over many
+  pieces) and `aminmax`'s verdict on NaN, infinite and large finite rows;
 - the router and routed experts of a mixture of experts (`moe`): against the students' `route` and FusedExperts
   (notebook 09) at the tiny preset's, a wider and (on a GPU) 35B-A3B's shapes, one to 200 tokens, routing skewed
   onto few experts, and the whole block; captured in a CUDA graph and replayed with new routing;
@@ -82,8 +86,12 @@ from a4.kernels.gdn_decode import (  # noqa: E402
 )
 from a4.kernels.paged_attention import paged_decode_attention  # noqa: E402
 from a4.kernels.activation import silu_and_mul  # noqa: E402
-from a4.kernels.gemv import MAX_ROWS, TILE, gemv, linear  # noqa: E402
-from a4.layers.fused import use_fused_activation, use_fused_experts, use_fused_norms, use_gemv  # noqa: E402
+from a4.kernels import greedy  # noqa: E402
+from a4.kernels.gemv import MAX_ROWS, TILE, TILES, gemv, linear  # noqa: E402
+from a4.kernels.rope import partial_rope  # noqa: E402
+from a4.layers.fused import (  # noqa: E402
+    use_fused_activation, use_fused_experts, use_fused_norms, use_fused_rope, use_gemv,
+)
 
 DTYPES = [torch.float32, torch.bfloat16]
 NUM_SLOTS = 7
@@ -667,6 +675,39 @@ def test_add_and_norm_in_one_launch_matches_the_torch_add_and_module(dim, dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+# (tokens, heads, head_dim, rotary_dim): the 0.8B's query and key heads, the tiny preset's, RoPE on the whole head.
+@pytest.mark.parametrize("shape", [(3, 8, 256, 64), (1, 2, 256, 64), (5, 4, 32, 8), (2, 3, 16, 16)], ids=str)
+def test_partial_rope_is_the_students_apply_partial_rope(shape, dtype):
+    import a4.layers.gated_attention as gated_attention
+    from a4.layers.rope import RotaryEmbedding
+    from a4.models.config import parse_config
+
+    tokens, heads, head_dim, rotary_dim = shape
+    cos, sin = RotaryEmbedding(rotary_dim, 1e7, 8192, device=DEVICE)(
+        torch.tensor([0, 17, 4000, 5, 8191][:tokens], device=DEVICE), dtype
+    )
+    # The query as the layer makes it: the first half of each head's [query, gate], a strided view.
+    x = randn(tokens, heads, 2 * head_dim, dtype=dtype, seed=tokens * heads, scale=3.0)[..., :head_dim]
+    expected = gated_attention.apply_partial_rope(x, cos, sin)
+    y = partial_rope(x, cos, sin)
+    if INTERPRET and dtype == torch.bfloat16:
+        # The interpreter truncates each of the two products to bfloat16 where the GPU rounds: a unit in the last
+        # place of the largest of them, each, in a sum that may cancel.
+        torch.testing.assert_close(y, expected, atol=2 * 2**-7 * x.abs().max().item(), rtol=0)
+    else:
+        assert torch.equal(y, expected)
+    with pytest.raises(ValueError, match="partial_rope"):
+        partial_rope(x, cos[:, :-1], sin[:, :-1])
+
+    layer = gated_attention.GatedAttention(parse_config(preset_config("qwen3_5", "tiny")), pool_layer=0)
+    assert use_fused_rope(torch.nn.Sequential(layer)) == 1
+    # The students' forward, its apply_partial_rope the kernel for this module alone.
+    assert layer.forward.__code__ is gated_attention.GatedAttention.forward.__code__
+    assert layer.forward.__globals__["apply_partial_rope"] is partial_rope
+    assert gated_attention.apply_partial_rope is not partial_rope
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("rows", [1, 3, 33])
 def test_silu_and_mul_matches_torch_on_the_halves_of_a_merged_product(rows, dtype):
     from a4.layers.mlp import GatedMLP
@@ -693,8 +734,11 @@ def test_silu_and_mul_matches_torch_on_the_halves_of_a_merged_product(rows, dtyp
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("rows", range(1, MAX_ROWS + 1))
 @pytest.mark.parametrize("out_features, in_features", [(1024, 3584), (8224, 1024), (37, 100)])
-# TILE and the other tiles timed against it (a4/kernels/gemv.py): every one computes the product.
-@pytest.mark.parametrize("tile", [TILE, (8, 512, 4, 4), (16, 256, 4, 4), (32, 256, 8, 4)], ids=lambda t: "x".join(map(str, t)))
+# TILE, the tiles of TILES and others timed against them (a4/kernels/gemv.py): every one computes the product.
+@pytest.mark.parametrize(
+    "tile", sorted({TILE, *TILES.values(), (8, 512, 4, 4), (16, 256, 4, 4), (32, 256, 8, 4)}),
+    ids=lambda t: "x".join(map(str, t)),
+)
 def test_gemv_matches_a_float64_matmul(rows, out_features, in_features, dtype, tile):
     generator = torch.Generator().manual_seed(rows * out_features)
     x = torch.randn(rows, 2 * in_features, generator=generator)[:, :in_features].to(DEVICE, dtype)  # strided rows
@@ -737,6 +781,34 @@ def test_linear_takes_the_kernel_for_at_most_max_rows_rows(monkeypatch):
         assert calls == [layer.weight.shape] * 2 + [wide.weight.shape] + [layer.weight.shape]
     with pytest.raises(ValueError, match="gemv"):
         gemv(x, layer.weight)
+
+
+# ------------------------------------------------------------------------------------------------ greedy sampler
+
+
+@pytest.mark.parametrize(
+    "vocab, chunk, pieces",
+    [(5, greedy.CHUNK, greedy.PIECES), (1000, greedy.CHUNK, greedy.PIECES), (248320, greedy.CHUNK, greedy.PIECES),
+     (64, 16, 4), (1000, 16, 4)],
+)  # fmt: skip
+def test_argmax_and_finite_is_torchs_argmax_and_the_rows_finiteness(vocab, chunk, pieces, monkeypatch):
+    # Small pieces make a row span several passes of the second kernel, where ties between pieces are settled.
+    monkeypatch.setattr(greedy, "CHUNK", chunk)
+    monkeypatch.setattr(greedy, "PIECES", pieces)
+    logits = randn(7, vocab, dtype=torch.float32, seed=vocab)
+    logits[1, vocab // 3] = logits[1, vocab - 1] = 50.0  # a tie: torch gives the first
+    logits[2, :] = -3.0  # all tied
+    logits[3, vocab // 2] = float("nan")
+    logits[4, vocab - 1] = float("inf")
+    logits[5, 0] = float("-inf")
+    logits[6, 1 % vocab] = 1e38  # finite, near float32's largest
+    tokens, finite = greedy.argmax_and_finite(logits)
+    low, high = torch.aminmax(logits, dim=-1)
+    assert finite.tolist() == (low.isfinite() & high.isfinite()).tolist() == [True] * 3 + [False] * 3 + [True]
+    expected = logits.argmax(dim=-1)
+    assert tokens.dtype == torch.int64
+    assert tokens[finite].tolist() == expected[finite].tolist()
+    assert greedy.argmax_and_finite(logits[:0])[0].shape == (0,)
 
 
 # --------------------------------------------------------------------------------------------- mixture of experts

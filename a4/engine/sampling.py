@@ -45,6 +45,7 @@ import torch
 from a4.core import Batch, Req, SamplingParams, TokenLogprobs, to_device
 from a4.engine.grammar import RequestGrammar, apply_grammar_masks
 from a4.engine.logprobs import PendingLogprobs, PromptLogprobs, PromptRows, compute_logprobs
+from a4.kernels import triton_kernels_run_on
 
 
 class Sample(NamedTuple):
@@ -92,6 +93,11 @@ class Sampler:
         self._generators: dict[int, torch.Generator] = {}
         self.logits_processors = LogitsProcessors(device, vocab_size, eos_token_ids)
         self._grammars: dict[int, RequestGrammar] = {}
+        self._argmax_and_finite = _argmax_and_finite
+        if triton_kernels_run_on(device):
+            from a4.kernels.greedy import argmax_and_finite  # one read of the logits for both (a Triton kernel)
+
+            self._argmax_and_finite = argmax_and_finite
 
     def add_req(self, req: Req) -> None:
         seed = req.sampling_params.seed
@@ -112,15 +118,17 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, reqs: list[Req]) -> SampledTokens:
         """One token per row of logits [len(reqs), vocab] (float32), drawn on the device without waiting for it."""
-        finite = _rows_finite(logits)  # before the grammars' masks, whose -inf are no fault of the model's
         grammars = {}
-        picked_from = logits  # the logits the tokens are picked from; logprobs are the model's own
         if self._grammars:  # a batch without any costs no lookup per row
             grammars = {i: self._grammars[req.uid] for i, req in enumerate(reqs) if req.uid in self._grammars}
-            if grammars:
-                picked_from = logits.clone()
-                apply_grammar_masks(picked_from, grammars)
-        tokens = picked_from.argmax(dim=-1)
+        if grammars:
+            finite = _rows_finite(logits)  # before the grammars' masks, whose -inf are no fault of the model's
+            picked_from = logits.clone()  # the logits the tokens are picked from; logprobs are the model's own
+            apply_grammar_masks(picked_from, grammars)
+            tokens = picked_from.argmax(dim=-1)
+        else:
+            picked_from = logits
+            tokens, finite = self._argmax_and_finite(logits)
         # The rows that ask are processed apart: the logits themselves stay the model's.
         rows, processed = self.logits_processors.apply(picked_from, reqs)
         if rows is not None:
@@ -182,6 +190,12 @@ def sampling_distribution(logits: torch.Tensor, params: SamplingParams) -> torch
 def logits_errors(logits: torch.Tensor) -> list[str | None]:
     """Per row of logits [N, ...]: why it cannot be sampled (it is not finite), or None."""
     return _errors(_rows_finite(logits.flatten(1)).tolist(), logits)
+
+
+def _argmax_and_finite(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row of logits [N, vocab]: its argmax and whether it is finite (a4/kernels/greedy.py does both in one read
+    where a4's Triton kernels run)."""
+    return logits.argmax(dim=-1), _rows_finite(logits)
 
 
 def _rows_finite(logits: torch.Tensor) -> torch.Tensor:

@@ -9,7 +9,8 @@
 - `activation`: SwiGLU's SiLU-and-multiply in one kernel;
 - `gemv`: linear layers of at most four rows (decode at small batches, a batch-1 verify), each row the same bits
   whatever rows share its call;
-- `moe`: the routed experts over the token-expert pairs grouped on the device, and the router in one program.
+- `moe`: the routed experts over the token-expert pairs grouped on the device, and the router in one program;
+- `greedy`: the sampler's argmax and its check that the logits are finite, in one read of the logits.
 
 Triton and flash-linear-attention are GPU extras: nothing here is imported by `import a4.kernels`, so the CPU
 engine, its tests and the notebooks run without them. Import the module you need where CUDA is in use.

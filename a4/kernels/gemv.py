@@ -11,8 +11,14 @@ the decode step's 0.76 ms at one row; 1.40 ms, 1.8x, when each row had programs 
 
 The tile (TILE) and the layers that take the kernel were chosen by timing the 0.8B model's decode projections inside
 CUDA graphs on an H200, eight tiles side by side with cuBLAS (the GPU's time alone, bf16; solutions/REPORT.md §5):
-- 4 rows of W per program in 1024-wide K steps, 4 warps, 3 stages, was the fastest tile for every shape and row
-  count (the 8 x 512 tile of the first round was 10-40% slower); `tile=` runs another, for the tests and such timings;
+- 4 rows of W per program in 1024-wide K steps, 4 warps, 3 stages, was the fastest of that round's few tiles for
+  every shape and row count (the 8 x 512 tile of the first round was 10-40% slower); `tile=` runs another, for the
+  tests and such timings. A later sweep of 71 tiles on an H100 (every decode shape of the 0.8B and the 35B-A3B, at 1
+  and 4 rows, each call reading its weight from HBM inside a CUDA graph) found a tile per shape that beats it, by up
+  to 2.2x at one row where the output is narrow: fewer rows of W per program (1 or 2) make more programs, which keep
+  more loads in flight. Those tiles are TILES, below; with the tiles of its two narrow shapes alone (`down_proj`,
+  `out_proj` and `o_proj`), the 0.8B's decode step at batch 1 went from 1.47 to 1.27 ms on that H100
+  (solutions/REPORT.md §5);
 - for a narrow output (out_features <= in_features: `down_proj`, `out_proj`, `o_proj`, 1024 features) the kernel
   beats cuBLAS by 1.4-3.8x at one row (3.3 us against 12.5 us for 2048 -> 1024); for a wide one (the merged input
   projections, 5,000-8,000 features) cuBLAS is as fast at one row and twice as fast at four. (Autotuning every
@@ -48,6 +54,25 @@ import triton.language as tl
 MAX_ROWS = 4  # the kernel's accumulators are named, one per row: raising it means adding some
 # (BLOCK_N, BLOCK_K, num_warps, num_stages), measured as the module docstring says.
 TILE = (4, 1024, 4, 3)
+# A weight shape (out_features, in_features) whose own tile was measured faster than TILE (an H100, bf16, µs per call
+# within CUDA graphs, gpu time alone): the least time at 1 row plus a quarter of that at 4 (decode at batch 1 first,
+# then a k = 3 verify step). One tile per shape, whatever the row count: a row's bits depend on the tile, and must not
+# on the rows sharing its call. Shapes of other models take TILE.
+TILES: dict[tuple[int, int], tuple[int, int, int, int]] = {
+    (1, 2048): (1, 2048, 8, 3),  # 2.3 -> 1.5 us at 1 row, 4.3 -> 2.7 at 4 (35B-A3B shared-expert gate)
+    (256, 2048): (1, 2048, 4, 2),  # 5.5 -> 2.4 us at 1 row, 5.5 -> 4.0 at 4 (35B-A3B router)
+    (1024, 2048): (1, 2048, 4, 3),  # 5.9 -> 3.6 us at 1 row, 6.6 -> 5.1 at 4
+    (1024, 3584): (1, 2048, 4, 3),  # 10.2 -> 4.7 us at 1 row, 11.1 -> 7.9 at 4
+    (2048, 512): (2, 512, 2, 3),  # 4.0 -> 2.8 us at 1 row, 4.3 -> 3.9 at 4
+    (2048, 4096): (2, 2048, 4, 3),  # 11.4 -> 7.7 us at 1 row, 13.9 -> 11.9 at 4
+    (5120, 1024): (2, 512, 2, 3),  # 6.0 -> 5.5 us at 1 row, 9.2 -> 8.5 at 4
+    (7168, 1024): (4, 256, 2, 3),  # 7.2 -> 7.2 us at 1 row, 11.3 -> 9.4 at 4
+    (8224, 1024): (2, 1024, 2, 3),  # 7.9 -> 7.6 us at 1 row, 12.4 -> 11.0 at 4
+    (9216, 2048): (2, 2048, 4, 2),  # 17.5 -> 14.6 us at 1 row, 24.3 -> 20.4 at 4
+    (12352, 2048): (2, 1024, 2, 3),  # 20.1 -> 18.7 us at 1 row, 30.3 -> 25.3 at 4
+    (248320, 1024): (2, 1024, 2, 3),  # 165.4 -> 163.5 us at 1 row, 241.9 -> 180.3 at 4 (the 0.8B's lm_head)
+    (248320, 2048): (2, 2048, 2, 3),  # 325.0 -> 323.3 us at 1 row, 445.7 -> 334.6 at 4
+}
 
 
 @triton.jit
@@ -92,10 +117,10 @@ def _gemv_kernel(
         tl.store(y_ptr + 3 * stride_y + n, acc3.to(y_ptr.dtype.element_ty), mask=in_n)
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, tile: tuple[int, int, int, int] = TILE) -> torch.Tensor:
+def gemv(x: torch.Tensor, weight: torch.Tensor, tile: tuple[int, int, int, int] | None = None) -> torch.Tensor:
     """x [..., K] (at most MAX_ROWS rows in all) times weight [N, K] transposed: [..., N] in x's dtype.
 
-    `tile`: (BLOCK_N, BLOCK_K, num_warps, num_stages), TILE unless another is timed or tested."""
+    `tile`: (BLOCK_N, BLOCK_K, num_warps, num_stages); None: the weight shape's in TILES, else TILE."""
     rows = x.reshape(-1, x.shape[-1])
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
@@ -108,7 +133,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, tile: tuple[int, int, int, int] 
         )
     y = torch.empty(num_rows, out_features, dtype=x.dtype, device=x.device)
     if num_rows:
-        block_n, block_k, num_warps, num_stages = tile
+        block_n, block_k, num_warps, num_stages = tile or TILES.get((out_features, in_features), TILE)
         _gemv_kernel[(triton.cdiv(out_features, block_n),)](
             rows, weight, y,
             out_features, in_features,

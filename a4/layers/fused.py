@@ -5,6 +5,7 @@ modules of a loaded model the kernel's forward; each module keeps its weights an
 students' classes stay as they wrote them, and the CPU path never sees a kernel:
 - `use_fused_norms`: ZeroCenteredRMSNorm and GatedRMSNorm (a4/kernels/rmsnorm.py), the first also gets `add_norm`;
 - `use_fused_activation`: every GatedMLP's `act_and_mul` (a4/kernels/activation.py);
+- `use_fused_rope`: GatedAttention's partial RoPE (a4/kernels/rope.py);
 - `use_gemv`: bias-free linear layers and merged projections, the small-batch GEMV (a4/kernels/gemv.py);
 - `use_fused_experts`: FusedExperts and the SparseMoeBlocks' routers (a4/kernels/moe.py).
 
@@ -14,7 +15,7 @@ import it only where CUDA is in use.
 
 from __future__ import annotations
 
-from types import MethodType
+from types import FunctionType, MethodType
 
 import torch
 from torch import nn
@@ -23,8 +24,9 @@ from a4.kernels import gemv
 from a4.kernels.activation import silu_and_mul
 from a4.kernels.moe import fused_experts, fused_route
 from a4.kernels.rmsnorm import add_rms_norm, rms_norm
+from a4.kernels.rope import partial_rope
 from a4.layers.deltanet import GatedRMSNorm
-from a4.layers.gated_attention import ZeroCenteredRMSNorm
+from a4.layers.gated_attention import GatedAttention, ZeroCenteredRMSNorm
 from a4.layers.merged_linear import MergedLinear
 from a4.layers.mlp import GatedMLP
 from a4.layers.moe import FusedExperts, SparseMoeBlock
@@ -64,6 +66,23 @@ def use_fused_activation(model: nn.Module) -> int:
     for module in model.modules():
         if isinstance(module, GatedMLP):
             module.act_and_mul = silu_and_mul
+            fused += 1
+    return fused
+
+
+def use_fused_rope(model: nn.Module) -> int:
+    """Give every GatedAttention of `model` partial RoPE in one launch; returns how many.
+
+    The students' forward (notebook 03) calls `apply_partial_rope` by name from its module. Each module gets that very
+    forward with the name bound to the kernel, for this module alone: their code runs as written, and a model on the
+    CPU, or a student's own call of the function, still meets their `apply_partial_rope`."""
+    fused = 0
+    for module in model.modules():
+        if isinstance(module, GatedAttention):
+            forward = type(module).forward
+            names = {**forward.__globals__, "apply_partial_rope": partial_rope}
+            rebound = FunctionType(forward.__code__, names, forward.__name__, forward.__defaults__, forward.__closure__)
+            module.forward = MethodType(rebound, module)
             fused += 1
     return fused
 
