@@ -12,9 +12,10 @@ is reduced in another order):
 - `GatedRMSNorm` (notebook 04): x * rsqrt(mean(x^2) + eps) in float32, cast to x's dtype, times w in that dtype,
   times silu(z) in float32, cast back.
 
-A decoder layer adds its mixer's output to the residual stream and normalises the sum for its MLP
-(`a4.layers.norm.add_and_norm`); with the kernel, the add happens in the same program (in the model dtype, as
-torch adds), which writes both the sum and its norm: one launch and one read of the row fewer per layer.
+A Qwen3.5 decoder layer adds each sublayer's output to the residual stream in the norm that follows it
+(`a4.layers.norm.add_and_norm`): the mixer's before its MLP's norm, the MLP's before the next layer's first norm (or
+the final norm). With the kernel, the add happens in the same program (in the model dtype, as torch adds), which
+writes both the sum and its norm: two launches and two reads of the row fewer per layer.
 
 `use_fused_norms(model)` (a4/layers/fused.py) routes a model's norm modules through these kernels (the engine does it
 where a4's Triton kernels run, `a4.models.registry.load_model`): each module keeps its weight and only its forward

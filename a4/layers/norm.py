@@ -1,5 +1,5 @@
 """RMSNorm as Qwen3 uses it (normalise in float32, cast back, then scale by the learned weight), and the residual
-add that comes before a decoder layer's second norm."""
+add that comes before a norm of a decoder layer."""
 
 from __future__ import annotations
 

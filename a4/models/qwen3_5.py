@@ -70,15 +70,26 @@ class Qwen3_5DecoderLayer(nn.Module):
         self.post_attention_layernorm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = make_mlp(config)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
-        h = self.input_layernorm(x)
+    def forward(
+        self, x: torch.Tensor, h: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, fb: ForwardBatch
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the residual stream [T, hidden]; h: the previous layer's MLP output, not yet added to it (None at the
+        first layer). Returns the stream after this layer's mixer and this layer's MLP output.
+
+        Each sublayer's output is added to the stream by the norm that follows it (`add_and_norm`), the next layer's
+        first norm for the MLP's, as vLLM and mini-sglang carry the residual: the same sums, and where a4's kernels
+        run, the add happens in the norm's launch."""
+        if h is None:
+            h = self.input_layernorm(x)
+        else:
+            x, h = add_and_norm(x, h, self.input_layernorm)
         # Both mixers find their memory in fb at their own pool layer: KV for attention, states for GDN.
         if self.is_linear:
             h = self.linear_attn(h, fb, self.pool_layer)
         else:
             h = self.self_attn(h, cos, sin, fb)
         x, h = add_and_norm(x, h, self.post_attention_layernorm)
-        return x + self.mlp(h)
+        return x, self.mlp(h)
 
 
 class Qwen3_5TextModel(nn.Module):
@@ -97,12 +108,14 @@ class Qwen3_5TextModel(nn.Module):
         """Final hidden states [S, hidden] of the rows fb.sample_indices."""
         if fb.state_pool is None and any(layer.is_linear for layer in self.layers):
             raise ValueError("ForwardBatch.state_pool is None: Qwen3.5's Gated DeltaNet layers keep their states there")
-        x = self.embed_tokens(fb.input_ids)  # [T, hidden]
+        x, h = self.embed_tokens(fb.input_ids), None  # [T, hidden]
         cos, sin = self.rotary_emb(fb.positions, x.dtype)  # once per forward, shared by the attention layers
         for layer in self.layers:
-            x = layer(x, cos, sin, fb)
-        # The norm is per token, so normalising only the sampled rows gives the same values for less work.
-        return self.norm(x[fb.sample_indices])
+            x, h = layer(x, h, cos, sin, fb)
+        # The last MLP's add and the norm are per token, so doing them on the sampled rows alone gives the same
+        # values for less work.
+        rows = fb.sample_indices
+        return add_and_norm(x[rows], h[rows], self.norm)[1]
 
 
 class Qwen3_5ForConditionalGeneration(nn.Module):

@@ -46,6 +46,7 @@ from torch import nn
 from a4.core import ForwardBatch
 from a4.layers.gated_attention import ZeroCenteredRMSNorm
 from a4.layers.moe import FusedExperts, SparseMoeBlock
+from a4.layers.norm import add_and_norm
 from a4.layers.rope import RotaryEmbedding
 from a4.models.config import FULL_ATTENTION, ModelConfig
 from a4.models.qwen3_5 import Qwen3_5DecoderLayer, Qwen3_5ForConditionalGeneration
@@ -81,11 +82,12 @@ class Qwen3_5MTP(nn.Module):
         """
         embed_tokens, _ = self.shared
         embedded = self.pre_fc_norm_embedding(embed_tokens(fb.input_ids))
-        x = self.fc(torch.cat((embedded, self.pre_fc_norm_hidden(hidden_states)), dim=-1))
+        x, h = self.fc(torch.cat((embedded, self.pre_fc_norm_hidden(hidden_states)), dim=-1)), None
         cos, sin = self.rotary_emb(fb.positions, x.dtype)
         for layer in self.layers:
-            x = layer(x, cos, sin, fb)
-        return self.norm(x[fb.sample_indices])
+            x, h = layer(x, h, cos, sin, fb)  # h: the layer's MLP output, added to the stream by the next norm
+        rows = fb.sample_indices
+        return add_and_norm(x[rows], h[rows], self.norm)[1]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The main model's lm_head over `forward`'s output, cast to float32 as the main model's logits are."""

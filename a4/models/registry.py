@@ -102,13 +102,13 @@ def load_model(
 
 
 def fuse_for_device(model: nn.Module, device: torch.device, merge_projections: bool | None = None) -> None:
-    """Where a4's Triton kernels run: every norm in one launch instead of ~10, the residual add before the MLP's
-    norm in that launch (a4/kernels/rmsnorm.py), a decode step's launches being its cost, SwiGLU's silu-and-multiply
-    in one (a4/kernels/activation.py), partial RoPE in one (a4/kernels/rope.py), the linear layers on a few rows as matrix-vector products
-    (a4/kernels/gemv.py), and a mixture of experts' router and routed experts in three launches that never ask the
-    host, so that its steps capture (a4/kernels/moe.py). `merge_projections`: the projections that read one input as
-    one GEMM (a4/layers/merged_linear.py); None: where the Triton kernels run. None of them changes what a layer
-    computes, only how."""
+    """Where a4's Triton kernels run: every norm in one launch instead of ~10, the residual add before a norm in
+    that launch (a4/kernels/rmsnorm.py), a decode step's launches being its cost, SwiGLU's silu-and-multiply in one
+    (a4/kernels/activation.py), partial RoPE in one (a4/kernels/rope.py), the linear layers on a few rows as
+    matrix-vector products (a4/kernels/gemv.py), and a mixture of experts' router and routed experts in three
+    launches that never ask the host, so that its steps capture (a4/kernels/moe.py). `merge_projections`: the
+    projections that read one input as one GEMM (a4/layers/merged_linear.py); None: where the Triton kernels run.
+    None of them changes what a layer computes, only how."""
     if merge_projections is None:
         merge_projections = triton_kernels_run_on(device)
     if merge_projections:

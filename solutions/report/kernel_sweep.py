@@ -56,7 +56,7 @@ CONV_VARIANTS = [(256, 1), (128, 1), (256, 2), (512, 2), (512, 4), (1024, 4), (1
 
 
 def decode_shapes() -> dict[tuple[int, int], list[str]]:
-    """(out_features, in_features) of every projection `use_gemv` routes, with the presets that have it and how often."""
+    """(out_features, in_features) of every projection `use_gemv` routes: the presets that have it, how often."""
     shapes: dict[tuple[int, int], list[str]] = {}
     for arch, preset in (("qwen3_5", "0.8b"), ("qwen3_5_moe", "35b-a3b")):
         config = load_model_config(make_checkpoint(None, arch, preset=preset, weights=False))
