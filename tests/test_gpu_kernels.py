@@ -12,12 +12,15 @@
 - the fused norms (`rmsnorm`): the zero-centred and the gated RMSNorm against the torch modules they replace, on
   contiguous rows and on strided heads; the residual add and the norm in one launch (`add_and_norm`) against the
   torch add and the module;
-- partial RoPE (`rope`): the students' `apply_partial_rope` bit for bit, on strided query heads, and
-  `use_fused_rope`'s rebinding for one module alone;
-- SwiGLU's activation (`activation`): silu(gate) * up against torch's, on the two halves of one merged product,
-  and a GatedMLP routed through it against the torch module;
+- q/k norm + partial RoPE + KV write (`rope`): the students' norm and `apply_partial_rope` on strided query heads and
+  a merged key/value product, the pool's rows written and no other; `use_fused_attention`'s forward against the
+  students' GatedAttention.forward, prefill then decode, outputs and pools;
+- SwiGLU's activation and attention's output gate (`activation`): silu(gate) * up against torch's, on the two halves
+  of one merged product, and a GatedMLP routed through it against the torch module; x * sigmoid(gate) on the gate
+  halves of query heads;
 - the small-batch linear layer (`gemv`): 1 to 4 rows of 0.8B-shaped and odd-sized projections against a float64 matmul,
   strided rows, and `use_gemv`'s routing (more rows, or lm_head's width, stay with F.linear);
+- programmatic dependent launch (`pdl`): which grids launch with it;
 - the greedy sampler's argmax and finiteness in one read (`greedy`): torch's argmax (ties, rows over many
   pieces) and `aminmax`'s verdict on NaN, infinite and large finite rows;
 - the router and routed experts of a mixture of experts (`moe`): against the students' `route` and FusedExperts
@@ -85,12 +88,12 @@ from a4.kernels.gdn_decode import (  # noqa: E402
     gated_delta_rule_verify_by_slot_,
 )
 from a4.kernels.paged_attention import paged_decode_attention  # noqa: E402
-from a4.kernels.activation import silu_and_mul  # noqa: E402
+from a4.kernels.activation import sigmoid_and_mul, silu_and_mul  # noqa: E402
 from a4.kernels import greedy  # noqa: E402
 from a4.kernels.gemv import MAX_ROWS, TILE, TILES, gemv, linear  # noqa: E402
-from a4.kernels.rope import partial_rope  # noqa: E402
+from a4.kernels.rope import qk_norm_rope  # noqa: E402
 from a4.layers.fused import (  # noqa: E402
-    use_fused_activation, use_fused_experts, use_fused_norms, use_fused_rope, use_gemv,
+    use_fused_activation, use_fused_attention, use_fused_experts, use_fused_norms, use_gemv,
 )
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -674,37 +677,96 @@ def test_add_and_norm_in_one_launch_matches_the_torch_add_and_module(dim, dtype)
         fused_norm.add_norm(x, h[:, :-1])
 
 
+def norm_rope_tolerance(dtype: torch.dtype, expected: torch.Tensor) -> dict:
+    # float32: the sum of squares in another order. bfloat16: the normalised value may round one unit in the last
+    # place apart, and each of RoPE's two products with it (the interpreter truncates each rounding besides): units
+    # in the last place of the largest value, in a sum that may cancel.
+    if dtype == torch.float32:
+        return dict(atol=1e-5, rtol=1e-5)
+    return dict(atol=4 * 2**-8 * expected.abs().max().item(), rtol=2**-6)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-# (tokens, heads, head_dim, rotary_dim): the 0.8B's query and key heads, the tiny preset's, RoPE on the whole head.
-@pytest.mark.parametrize("shape", [(3, 8, 256, 64), (1, 2, 256, 64), (5, 4, 32, 8), (2, 3, 16, 16)], ids=str)
-def test_partial_rope_is_the_students_apply_partial_rope(shape, dtype):
+# (tokens, query heads, kv heads, head_dim, rotary_dim): the 0.8B's, the tiny preset's, RoPE on the whole head.
+@pytest.mark.parametrize(
+    "shape", [(3, 8, 2, 256, 64), (1, 8, 2, 256, 64), (5, 4, 2, 32, 8), (2, 3, 1, 16, 16)], ids=str
+)
+def test_qk_norm_rope_is_the_students_norm_and_partial_rope_and_writes_the_pool(shape, dtype):
     import a4.layers.gated_attention as gated_attention
+    from a4.layers.rope import RotaryEmbedding
+
+    tokens, heads, kv_heads, head_dim, rotary_dim = shape
+    # Position 0 turns nothing: a single token sits further on.
+    cos, sin = RotaryEmbedding(rotary_dim, 1e7, 8192, device=DEVICE)(
+        torch.tensor([17, 0, 4000, 5, 8191][:tokens], device=DEVICE), dtype
+    )
+    # The query as the layer makes it: the first half of each head's [query, gate], a strided view; key and value
+    # two column ranges of one merged product.
+    query = randn(tokens, heads, 2 * head_dim, dtype=dtype, seed=tokens * heads, scale=3.0)[..., :head_dim]
+    kv = randn(tokens, 2 * kv_heads * head_dim, dtype=dtype, seed=7, scale=3.0)
+    key, value = (x.view(tokens, kv_heads, head_dim) for x in kv.split(kv_heads * head_dim, dim=1))
+    q_norm, k_norm = (gated_attention.ZeroCenteredRMSNorm(head_dim, 1e-6).to(DEVICE) for _ in range(2))
+    with torch.no_grad():
+        for i, norm in enumerate((q_norm, k_norm)):
+            norm.weight.copy_(randn(head_dim, seed=20 + i, scale=0.3))
+        expected_q = gated_attention.apply_partial_rope(q_norm(query), cos, sin)
+        expected_k = gated_attention.apply_partial_rope(k_norm(key), cos, sin)
+    k_buf, v_buf = (torch.zeros(11, kv_heads, head_dim, dtype=dtype, device=DEVICE) for _ in range(2))
+    loc = torch.tensor([9, 2, 5, 0, 7][:tokens], device=DEVICE)
+    weights = (q_norm.weight.detach(), k_norm.weight.detach(), 1e-6)
+    q, k = qk_norm_rope(query, key, *weights, cos, sin, (value, k_buf, v_buf, loc))
+    torch.testing.assert_close(q, expected_q, **norm_rope_tolerance(dtype, expected_q))
+    torch.testing.assert_close(k, expected_k, **norm_rope_tolerance(dtype, expected_k))
+    # The pool holds the returned keys and the values at their locations, and nothing elsewhere.
+    assert torch.equal(k_buf[loc], k) and torch.equal(v_buf[loc], value)
+    elsewhere = torch.ones(11, dtype=torch.bool, device=DEVICE)
+    elsewhere[loc] = False
+    assert not k_buf[elsewhere].any() and not v_buf[elsewhere].any()
+    # Without a pool to write: the same heads.
+    q_alone, k_alone = qk_norm_rope(query, key, *weights, cos, sin)
+    assert torch.equal(q_alone, q) and torch.equal(k_alone, k)
+    with pytest.raises(ValueError, match="qk_norm_rope"):
+        qk_norm_rope(query, key, *weights, cos[:, :-1], sin[:, :-1])
+    with pytest.raises(ValueError, match="qk_norm_rope"):
+        qk_norm_rope(query, key, *weights, cos, sin, (value, k_buf, v_buf, loc[:-1] if tokens > 1 else loc[:0]))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_the_fused_attention_forward_is_the_students_forward(dtype):
+    """A GatedAttention with `use_fused_attention`'s forward against the students' own, prefill then decode, each
+    over its own KV pool: the layer's outputs and the pools' keys and values."""
+    import a4.layers.gated_attention as gated_attention
+    from a4.course.checks._model_runner import SlotTable
+    from a4.kvcache.kv_pool import KVPool
     from a4.layers.rope import RotaryEmbedding
     from a4.models.config import parse_config
 
-    tokens, heads, head_dim, rotary_dim = shape
-    cos, sin = RotaryEmbedding(rotary_dim, 1e7, 8192, device=DEVICE)(
-        torch.tensor([0, 17, 4000, 5, 8191][:tokens], device=DEVICE), dtype
-    )
-    # The query as the layer makes it: the first half of each head's [query, gate], a strided view.
-    x = randn(tokens, heads, 2 * head_dim, dtype=dtype, seed=tokens * heads, scale=3.0)[..., :head_dim]
-    expected = gated_attention.apply_partial_rope(x, cos, sin)
-    y = partial_rope(x, cos, sin)
-    if INTERPRET and dtype == torch.bfloat16:
-        # The interpreter truncates each of the two products to bfloat16 where the GPU rounds: a unit in the last
-        # place of the largest of them, each, in a sum that may cancel.
-        torch.testing.assert_close(y, expected, atol=2 * 2**-7 * x.abs().max().item(), rtol=0)
-    else:
-        assert torch.equal(y, expected)
-    with pytest.raises(ValueError, match="partial_rope"):
-        partial_rope(x, cos[:, :-1], sin[:, :-1])
-
-    layer = gated_attention.GatedAttention(parse_config(preset_config("qwen3_5", "tiny")), pool_layer=0)
-    assert use_fused_rope(torch.nn.Sequential(layer)) == 1
-    # The students' forward, its apply_partial_rope the kernel for this module alone.
-    assert layer.forward.__code__ is gated_attention.GatedAttention.forward.__code__
-    assert layer.forward.__globals__["apply_partial_rope"] is partial_rope
-    assert gated_attention.apply_partial_rope is not partial_rope
+    config = parse_config(preset_config("qwen3_5", "tiny"))
+    torch.manual_seed(3)
+    students = gated_attention.GatedAttention(config, pool_layer=1).to(DEVICE, dtype)
+    with torch.no_grad():
+        for parameter in students.parameters():
+            parameter.copy_(torch.randn_like(parameter) * 0.2)
+    fused = copy.deepcopy(students)
+    assert use_fused_attention(torch.nn.Sequential(fused)) == 1
+    assert gated_attention.GatedAttention.forward is not fused.forward.__func__
+    rope = RotaryEmbedding(config.rotary_dim, config.rope_theta, config.max_position_embeddings, device=DEVICE)
+    pools = [KVPool(2, 16, 4, config.num_key_value_heads, config.head_dim, dtype, DEVICE) for _ in range(2)]
+    table = SlotTable(pools[0].num_locations, num_slots=2, max_context=32)
+    table.req_to_token = table.req_to_token.to(DEVICE)
+    for step, new_tokens in enumerate(({0: 5, 1: 3}, {0: 1, 1: 1})):
+        fb = table.step(new_tokens, pools[0])
+        hidden = randn(fb.positions.shape[0], config.hidden_size, dtype=dtype, seed=30 + step)
+        cos, sin = rope(fb.positions, dtype)
+        with torch.no_grad():
+            expected = students(hidden, cos, sin, fb)
+            fb.kv_pool = pools[1]
+            got = fused(hidden, cos, sin, fb)
+        allowed = {torch.float32: dict(atol=1e-5, rtol=1e-4), torch.bfloat16: dict(atol=2e-2, rtol=2**-5)}[dtype]
+        torch.testing.assert_close(got, expected, **allowed)
+        for ours, theirs in zip(pools[1].get_kv(1), pools[0].get_kv(1)):
+            torch.testing.assert_close(ours, theirs, **norm_rope_tolerance(dtype, theirs))
+        assert not pools[1].get_kv(0)[0].any()  # the other layer's keys untouched
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -729,6 +791,43 @@ def test_silu_and_mul_matches_torch_on_the_halves_of_a_merged_product(rows, dtyp
     x = randn(rows, 64, dtype=dtype, seed=rows + 100)
     with torch.no_grad():
         torch.testing.assert_close(fused_mlp(x), torch_mlp(x), **allowed)
+
+
+def test_pdl_launches_one_wave_grids_and_the_gemv(monkeypatch):
+    """Programmatic dependent launch: on Hopper and later for a grid of one wave (a program per SM) or a decode-only
+    kernel's grid, never on the CPU (Triton's interpreter) nor under A4_PDL=0."""
+    from a4.kernels import pdl
+
+    device = torch.device(DEVICE)
+    pdl._one_wave.cache_clear()
+    on = {"PDL": True, "launch_pdl": True}
+    if device.type == "cuda" and torch.cuda.get_device_capability()[0] >= 9:
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        assert pdl.pdl_launch(device, sms) == on
+        assert pdl.pdl_launch(device, sms + 1) == {"PDL": False}
+        assert pdl.pdl_launch(device, 100 * sms, decode_only=True) == on
+    else:
+        assert pdl.pdl_launch(device, 1, decode_only=True) == {"PDL": False}
+    monkeypatch.setenv("A4_PDL", "0")
+    pdl._one_wave.cache_clear()
+    try:
+        assert pdl.pdl_launch(device, 1, decode_only=True) == {"PDL": False}
+    finally:
+        monkeypatch.undo()
+        pdl._one_wave.cache_clear()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_sigmoid_and_mul_is_the_output_gate_of_gated_attention(tokens, dtype):
+    # The gate as the layer makes it: the second half of each head's [query, gate], a strided view.
+    heads, head_dim = 8, 256
+    gate = randn(tokens, heads, 2 * head_dim, dtype=dtype, seed=tokens, scale=3.0)[..., head_dim:]
+    attn = randn(tokens, heads, head_dim, dtype=dtype, seed=tokens + 1)
+    allowed = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=1e-2, rtol=2**-5)}[dtype]
+    torch.testing.assert_close(sigmoid_and_mul(gate, attn), attn * torch.sigmoid(gate), **allowed)
+    with pytest.raises(ValueError, match="sigmoid_and_mul"):
+        sigmoid_and_mul(gate, attn[..., 1:])
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -6,11 +6,13 @@
 - `paged_attention`: decode attention over the paged KV pool (`paged_decode_attention`), split over the context;
 - `fla_prefill`: the varlen GDN prefill through flash-linear-attention, gathered from and written back to the pool;
 - `rmsnorm`: the zero-centred and gated RMSNorms in one kernel each, the residual add folded into the first;
-- `activation`: SwiGLU's SiLU-and-multiply in one kernel;
+- `activation`: SwiGLU's SiLU-and-multiply, and gated attention's output gate, in one kernel each;
+- `rope`: a gated attention layer's q/k norms, partial RoPE and KV write in one kernel;
 - `gemv`: linear layers of at most four rows (decode at small batches, a batch-1 verify), each row the same bits
   whatever rows share its call;
 - `moe`: the routed experts over the token-expert pairs grouped on the device, and the router in one program;
-- `greedy`: the sampler's argmax and its check that the logits are finite, in one read of the logits.
+- `greedy`: the sampler's argmax and its check that the logits are finite, in one read of the logits;
+- `pdl`: programmatic dependent launch, the next kernel of a step launched while this one ends (Hopper and later).
 
 Triton and flash-linear-attention are GPU extras: nothing here is imported by `import a4.kernels`, so the CPU
 engine, its tests and the notebooks run without them. Import the module you need where CUDA is in use.

@@ -38,6 +38,8 @@ import torch
 import triton
 import triton.language as tl
 
+from a4.kernels.pdl import pdl_launch, wait_for_previous_kernel
+
 # Channels per conv program, and one warp: every channel has exactly one owning thread (see above). Timed on an H100
 # within CUDA graphs over every GDN layer's pool (channels, warps: µs per layer at batch 1 / 32 / 128, the 0.8B's
 # 6,144 channels): 256, 1: 2.6 / 5.3 / 14.3; 128, 1: 2.0 / 4.2 / 9.9; 256, 2: 2.2 / 4.4 / 10.9; 1024, 8: 3.2 / 4.5 /
@@ -71,8 +73,9 @@ def _conv_kernel(
     dim,
     stride_x_row, stride_w_dim, stride_w_tap, stride_s_slot, stride_s_dim, stride_s_tap, stride_y_row,
     stride_out_slot, stride_out_pos, stride_out_dim, stride_out_tap,
-    KERNEL: tl.constexpr, LENGTH: tl.constexpr, BLOCK_D: tl.constexpr,
+    KERNEL: tl.constexpr, LENGTH: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(PDL)
     request = tl.program_id(0)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     in_dim = d < dim
@@ -128,6 +131,7 @@ def _conv(x, weight, conv_state, slots, out, length: int, name: str) -> torch.Te
         conv_state.stride(0), conv_state.stride(1), conv_state.stride(2), y.stride(0),
         *out.stride(),
         KERNEL=kernel, LENGTH=length, BLOCK_D=CONV_BLOCK_D, num_warps=CONV_WARPS,
+        **pdl_launch(x.device, slots.shape[0] * triton.cdiv(dim, CONV_BLOCK_D)),
     )
     return y
 
@@ -179,8 +183,9 @@ def _gated_delta_rule_kernel(
     stride_s_slot, stride_s_head, stride_s_k, stride_s_v,
     stride_o_row, stride_o_head,
     stride_out_slot, stride_out_pos, stride_out_head, stride_out_k, stride_out_v,
-    GROUP: tl.constexpr, LENGTH: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+    GROUP: tl.constexpr, LENGTH: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(PDL)
     request = tl.program_id(0)
     head = tl.program_id(1)
     key_head = head // GROUP  # value head h reads key head h // (Hv / Hk)
@@ -254,6 +259,7 @@ def _gated_delta_rule(q, k, v, a, b, A_log, dt_bias, state, slots, out, length: 
         o.stride(0), o.stride(1),
         *out.stride(),
         GROUP=num_v_heads // num_k_heads, LENGTH=length, BLOCK_K=block_k, BLOCK_V=block_v, num_warps=num_warps,
+        **pdl_launch(v.device, slots.shape[0] * num_v_heads * triton.cdiv(dv, block_v)),
     )
     return o
 

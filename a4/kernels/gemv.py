@@ -49,6 +49,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from a4.kernels.pdl import pdl_launch, wait_for_previous_kernel
+
 # Rows a call may have to take the kernel: decode at batch 1 to 4, a batch-1 verify step of up to 3 drafts. With
 # more rows cuBLAS's GEMM tiles do better.
 MAX_ROWS = 4  # the kernel's accumulators are named, one per row: raising it means adding some
@@ -87,8 +89,9 @@ def _gemv_kernel(
     x_ptr, w_ptr, y_ptr,
     out_features, in_features,
     stride_x, stride_w, stride_y,
-    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    wait_for_previous_kernel(PDL)
     # One program per block of output features, for every row: each tile of W is read once and used ROWS times.
     # A row has its own accumulator (MAX_ROWS = 4 of them, named, as Triton has no arrays of tensors).
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -140,6 +143,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, tile: tuple[int, int, int, int] 
             rows.stride(0), weight.stride(0), y.stride(0),
             ROWS=num_rows, BLOCK_N=block_n, BLOCK_K=block_k,
             num_warps=num_warps, num_stages=num_stages,
+            **pdl_launch(x.device, triton.cdiv(out_features, block_n), decode_only=True),
         )  # fmt: skip
     return y.view(*x.shape[:-1], out_features)
 

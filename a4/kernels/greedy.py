@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from a4.kernels.pdl import pdl_launch, wait_for_previous_kernel
+
 # Logits per program of the first pass: 248,320 / 8,192 = 31 pieces a row (at batch 1, 31 programs).
 CHUNK = 8192
 # Pieces a program of the second pass reduces at once (a row longer than CHUNK * PIECES loops).
@@ -26,8 +28,10 @@ PIECES = 64
 
 @triton.jit
 def _chunk_argmax_kernel(
-    logits_ptr, max_ptr, index_ptr, finite_ptr, vocab, stride_row, num_chunks, CHUNK: tl.constexpr
+    logits_ptr, max_ptr, index_ptr, finite_ptr, vocab, stride_row, num_chunks, CHUNK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(PDL)
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     cols = chunk * CHUNK + tl.arange(0, CHUNK)
@@ -43,7 +47,10 @@ def _chunk_argmax_kernel(
 
 
 @triton.jit
-def _row_argmax_kernel(max_ptr, index_ptr, finite_ptr, tokens_ptr, row_finite_ptr, num_chunks, PIECES: tl.constexpr):
+def _row_argmax_kernel(
+    max_ptr, index_ptr, finite_ptr, tokens_ptr, row_finite_ptr, num_chunks, PIECES: tl.constexpr, PDL: tl.constexpr
+):
+    wait_for_previous_kernel(PDL)
     row = tl.program_id(0)
     best = tl.full((), float("-inf"), tl.float32)
     token = tl.zeros((), tl.int32)
@@ -80,7 +87,10 @@ def argmax_and_finite(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     finite = torch.empty(rows, dtype=torch.bool, device=logits.device)
     if rows:
         _chunk_argmax_kernel[(rows, num_chunks)](
-            logits, maxima, indices, chunk_finite, vocab, logits.stride(0), num_chunks, CHUNK=CHUNK, num_warps=8
+            logits, maxima, indices, chunk_finite, vocab, logits.stride(0), num_chunks, CHUNK=CHUNK, num_warps=8,
+            **pdl_launch(logits.device, rows * num_chunks),
         )
-        _row_argmax_kernel[(rows,)](maxima, indices, chunk_finite, tokens, finite, num_chunks, PIECES=PIECES)
+        _row_argmax_kernel[(rows,)](
+            maxima, indices, chunk_finite, tokens, finite, num_chunks, PIECES=PIECES, **pdl_launch(logits.device, rows)
+        )
     return tokens, finite

@@ -25,6 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
+from a4.kernels.pdl import pdl_launch, wait_for_previous_kernel
+
 # The merge kernel holds all splits of one head in registers: [MAX_SPLITS, head_dim] float32.
 MAX_SPLITS = 64
 
@@ -36,8 +38,9 @@ def _split_kernel(
     stride_q_row, stride_q_head, stride_k_loc, stride_k_head, stride_v_loc, stride_v_head, stride_table_row,
     stride_po_row, stride_po_head, stride_po_split, stride_pl_row, stride_pl_head,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(PDL)
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -94,8 +97,9 @@ def _merge_kernel(
     part_o_ptr, part_lse_ptr, o_ptr,
     head_dim, num_splits,
     stride_po_row, stride_po_head, stride_po_split, stride_pl_row, stride_pl_head, stride_o_row, stride_o_head,
-    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(PDL)
     row = tl.program_id(0)
     head = tl.program_id(1)
     s = tl.arange(0, BLOCK_S)
@@ -189,6 +193,7 @@ def paged_decode_attention(
         # float32 models get float32 products (Triton's default for them is tf32, ~1e-3 relative error).
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=4 if block_d <= 128 else 8,
+        **pdl_launch(q.device, batch * num_kv_heads * num_splits),
     )
     o = torch.empty_like(q, memory_format=torch.contiguous_format)
     _merge_kernel[(batch, num_heads)](
@@ -197,5 +202,6 @@ def paged_decode_attention(
         part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1),
         o.stride(0), o.stride(1),
         BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d, num_warps=4,
+        **pdl_launch(q.device, batch * num_heads),
     )
     return o

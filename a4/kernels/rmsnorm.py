@@ -29,14 +29,17 @@ import torch
 import triton
 import triton.language as tl
 
+from a4.kernels.pdl import pdl_launch, wait_for_previous_kernel
+
 
 @triton.jit
 def _rms_norm_kernel(
     x_ptr, w_ptr, z_ptr, h_ptr, sum_ptr, y_ptr,
     dim, eps,
     stride_x, stride_z, stride_h, stride_sum, stride_y,
-    GATED: tl.constexpr, ADD: tl.constexpr, BLOCK: tl.constexpr,
+    GATED: tl.constexpr, ADD: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    wait_for_previous_kernel(PDL)
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     in_row = cols < dim
@@ -80,6 +83,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, eps: float, gate: torch.Tenso
             dim, eps,
             rows.stride(0), z.stride(0), h.stride(0), total.stride(0), out.stride(0),
             GATED=gate is not None, ADD=residual is not None, BLOCK=triton.next_power_of_2(dim),
+            **pdl_launch(x.device, rows.shape[0]),
         )  # fmt: skip
     return (None if residual is None else total.view(x.shape)), out.view(x.shape)
 

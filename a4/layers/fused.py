@@ -5,7 +5,8 @@ modules of a loaded model the kernel's forward; each module keeps its weights an
 students' classes stay as they wrote them, and the CPU path never sees a kernel:
 - `use_fused_norms`: ZeroCenteredRMSNorm and GatedRMSNorm (a4/kernels/rmsnorm.py), the first also gets `add_norm`;
 - `use_fused_activation`: every GatedMLP's `act_and_mul` (a4/kernels/activation.py);
-- `use_fused_rope`: GatedAttention's partial RoPE (a4/kernels/rope.py);
+- `use_fused_attention`: GatedAttention's forward, with q/k norm + partial RoPE + KV write in one launch
+  (a4/kernels/rope.py) and the output gate in one (a4/kernels/activation.py);
 - `use_gemv`: bias-free linear layers and merged projections, the small-batch GEMV (a4/kernels/gemv.py);
 - `use_fused_experts`: FusedExperts and the SparseMoeBlocks' routers (a4/kernels/moe.py).
 
@@ -15,16 +16,17 @@ import it only where CUDA is in use.
 
 from __future__ import annotations
 
-from types import FunctionType, MethodType
+from types import MethodType
 
 import torch
 from torch import nn
 
+from a4.core import ForwardBatch
 from a4.kernels import gemv
-from a4.kernels.activation import silu_and_mul
+from a4.kernels.activation import sigmoid_and_mul, silu_and_mul
 from a4.kernels.moe import fused_experts, fused_route
 from a4.kernels.rmsnorm import add_rms_norm, rms_norm
-from a4.kernels.rope import partial_rope
+from a4.kernels.rope import qk_norm_rope
 from a4.layers.deltanet import GatedRMSNorm
 from a4.layers.gated_attention import GatedAttention, ZeroCenteredRMSNorm
 from a4.layers.merged_linear import MergedLinear
@@ -70,19 +72,31 @@ def use_fused_activation(model: nn.Module) -> int:
     return fused
 
 
-def use_fused_rope(model: nn.Module) -> int:
-    """Give every GatedAttention of `model` partial RoPE in one launch; returns how many.
+def _gated_attention_forward(
+    self: nn.Module, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fb: ForwardBatch
+) -> torch.Tensor:
+    # GatedAttention.forward (notebook 03) in fewer launches. Its q_norm, k_norm, partial RoPE of q and k and
+    # `paged_attention`'s KV write are one launch here, the output gate one: a launch per norm, per RoPE, per
+    # index_copy_ of the write, for the sigmoid and for the product would be most of the layer's decode kernels.
+    num_tokens = hidden.shape[0]
+    query, gate = self.q_proj(hidden).view(num_tokens, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+    k = self.k_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim)
+    v = self.v_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim)
+    kv_write = (v, *fb.kv_pool.get_kv(self.pool_layer), fb.out_cache_loc)
+    q, k = qk_norm_rope(query, k, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, cos, sin, kv_write)
+    attn = fb.attn_backend.forward(q, k, v, fb, self.pool_layer, self.head_dim**-0.5)
+    return self.o_proj(sigmoid_and_mul(gate, attn).reshape(num_tokens, -1))
 
-    The students' forward (notebook 03) calls `apply_partial_rope` by name from its module. Each module gets that very
-    forward with the name bound to the kernel, for this module alone: their code runs as written, and a model on the
-    CPU, or a student's own call of the function, still meets their `apply_partial_rope`."""
+
+def use_fused_attention(model: nn.Module) -> int:
+    """Give every GatedAttention of `model` the fused forward above; returns how many."""
     fused = 0
     for module in model.modules():
         if isinstance(module, GatedAttention):
-            forward = type(module).forward
-            names = {**forward.__globals__, "apply_partial_rope": partial_rope}
-            rebound = FunctionType(forward.__code__, names, forward.__name__, forward.__defaults__, forward.__closure__)
-            module.forward = MethodType(rebound, module)
+            if module.q_norm.eps != module.k_norm.eps:
+                raise ValueError(f"use_fused_attention: q_norm's eps {module.q_norm.eps} is not k_norm's "
+                                 f"{module.k_norm.eps}; the fused kernel takes one")  # fmt: skip
+            module.forward = MethodType(_gated_attention_forward, module)
             fused += 1
     return fused
 

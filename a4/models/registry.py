@@ -103,10 +103,11 @@ def load_model(
 
 def fuse_for_device(model: nn.Module, device: torch.device, merge_projections: bool | None = None) -> None:
     """Where a4's Triton kernels run: every norm in one launch instead of ~10, the residual add before a norm in
-    that launch (a4/kernels/rmsnorm.py), a decode step's launches being its cost, SwiGLU's silu-and-multiply in one
-    (a4/kernels/activation.py), partial RoPE in one (a4/kernels/rope.py), the linear layers on a few rows as
-    matrix-vector products (a4/kernels/gemv.py), and a mixture of experts' router and routed experts in three
-    launches that never ask the host, so that its steps capture (a4/kernels/moe.py). `merge_projections`: the
+    that launch (a4/kernels/rmsnorm.py), a decode step's launches being its cost, SwiGLU's silu-and-multiply and
+    attention's output gate in one each (a4/kernels/activation.py), an attention layer's q/k norms, partial RoPE and
+    KV write in one (a4/kernels/rope.py), the linear layers on a few rows as matrix-vector products
+    (a4/kernels/gemv.py), and a mixture of experts' router and routed experts in three launches that never ask the
+    host, so that its steps capture (a4/kernels/moe.py). `merge_projections`: the
     projections that read one input as one GEMM (a4/layers/merged_linear.py); None: where the Triton kernels run.
     None of them changes what a layer computes, only how."""
     if merge_projections is None:
@@ -116,10 +117,12 @@ def fuse_for_device(model: nn.Module, device: torch.device, merge_projections: b
 
         merge(model)
     if triton_kernels_run_on(device):
-        from a4.layers.fused import use_fused_activation, use_fused_experts, use_fused_norms, use_fused_rope, use_gemv
+        from a4.layers.fused import (
+            use_fused_activation, use_fused_attention, use_fused_experts, use_fused_norms, use_gemv,
+        )  # fmt: skip
 
         use_fused_norms(model)
         use_fused_activation(model)
-        use_fused_rope(model)
+        use_fused_attention(model)
         use_gemv(model)
         use_fused_experts(model)
