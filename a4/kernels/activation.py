@@ -26,15 +26,18 @@ BLOCK = 512
 
 @triton.jit
 def _act_and_mul_kernel(
-    gate_ptr, up_ptr, y_ptr, width, stride_gate, stride_up, stride_y,
+    gate_ptr, up_ptr, y_ptr, width, inner,
+    stride_gate_outer, stride_gate_inner, stride_up_outer, stride_up_inner,
     SIGMOID: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     wait_for_previous_kernel(PDL)
+    # Row r of the [outer * inner, width] result is (r // inner, r % inner) of the inputs: a token's head, say.
     row = tl.program_id(0)
+    outer, within = row // inner, row % inner
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     in_row = cols < width
-    gate = tl.load(gate_ptr + row * stride_gate + cols, mask=in_row, other=0.0)
-    up = tl.load(up_ptr + row * stride_up + cols, mask=in_row, other=0.0)
+    gate = tl.load(gate_ptr + outer * stride_gate_outer + within * stride_gate_inner + cols, mask=in_row, other=0.0)
+    up = tl.load(up_ptr + outer * stride_up_outer + within * stride_up_inner + cols, mask=in_row, other=0.0)
     g = gate.to(tl.float32)
     # torch's formulas: sigmoid(g) = 1 / (1 + exp(-g)), silu(g) = g / (1 + exp(-g)).
     if SIGMOID:
@@ -42,7 +45,7 @@ def _act_and_mul_kernel(
     else:
         act = g / (1.0 + tl.exp(-g))
     act = act.to(gate.dtype).to(tl.float32)
-    tl.store(y_ptr + row * stride_y + cols, (act * up.to(tl.float32)).to(y_ptr.dtype.element_ty), mask=in_row)
+    tl.store(y_ptr + row * width + cols, (act * up.to(tl.float32)).to(y_ptr.dtype.element_ty), mask=in_row)
 
 
 def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -55,16 +58,24 @@ def sigmoid_and_mul(gate: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return _act_and_mul(gate, x, "sigmoid_and_mul", sigmoid=True)
 
 
+def _outer_inner_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [..., width] as [outer, inner, width] with unit stride along width, a view where possible: attention's gate,
+    [tokens, heads, head_dim] inside a merged product's rows, reads as it is (as rows of head_dim it would be a copy)."""
+    x = x.reshape(-1, 1, x.shape[-1]) if x.dim() < 3 else x.reshape(-1, *x.shape[-2:])
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
 def _act_and_mul(gate: torch.Tensor, up: torch.Tensor, name: str, sigmoid: bool) -> torch.Tensor:
     if gate.shape != up.shape or gate.dtype != up.dtype:
         raise ValueError(f"{name}: gate {gate.dtype} {tuple(gate.shape)} and {up.dtype} {tuple(up.shape)} should match")
-    gate_rows, up_rows = (t.reshape(-1, t.shape[-1]) for t in (gate, up))
-    gate_rows, up_rows = (t if t.stride(-1) == 1 else t.contiguous() for t in (gate_rows, up_rows))
-    rows, width = gate_rows.shape
-    y = torch.empty(rows, width, dtype=gate.dtype, device=gate.device)
-    if rows:
-        _act_and_mul_kernel[(rows, triton.cdiv(width, BLOCK))](
-            gate_rows, up_rows, y, width, gate_rows.stride(0), up_rows.stride(0), y.stride(0),
-            SIGMOID=sigmoid, BLOCK=BLOCK, **pdl_launch(gate.device, rows * triton.cdiv(width, BLOCK)),
+    gate_rows, up_rows = _outer_inner_rows(gate), _outer_inner_rows(up)
+    outer, inner, width = gate_rows.shape
+    y = torch.empty(outer * inner, width, dtype=gate.dtype, device=gate.device)
+    if y.shape[0]:
+        programs = y.shape[0] * triton.cdiv(width, BLOCK)
+        _act_and_mul_kernel[(y.shape[0], triton.cdiv(width, BLOCK))](
+            gate_rows, up_rows, y, width, inner,
+            gate_rows.stride(0), gate_rows.stride(1), up_rows.stride(0), up_rows.stride(1),
+            SIGMOID=sigmoid, BLOCK=BLOCK, **pdl_launch(gate.device, programs),
         )  # fmt: skip
     return y.view(gate.shape)

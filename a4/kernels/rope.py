@@ -54,7 +54,8 @@ def _qk_norm_rope_kernel(
     heads = num_heads + num_kv_heads
     if WRITE_KV:
         heads += num_kv_heads
-    token = tl.program_id(0) // heads
+    # In int64: a token's offset into a merged projection's rows passes 2**31 beyond ~230k tokens at the 35B-A3B's width.
+    token = (tl.program_id(0) // heads).to(tl.int64)
     head = tl.program_id(0) % heads
     d = tl.arange(0, BLOCK_D)
     in_head = d < head_dim
