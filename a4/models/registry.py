@@ -107,9 +107,9 @@ def fuse_for_device(model: nn.Module, device: torch.device, merge_projections: b
     attention's output gate in one each (a4/kernels/activation.py), an attention layer's q/k norms, partial RoPE and
     KV write in one (a4/kernels/rope.py), the linear layers on a few rows as matrix-vector products
     (a4/kernels/gemv.py), and a mixture of experts' router and routed experts in three launches that never ask the
-    host, so that its steps capture (a4/kernels/moe.py). `merge_projections`: the
-    projections that read one input as one GEMM (a4/layers/merged_linear.py); None: where the Triton kernels run.
-    None of them changes what a layer computes, only how."""
+    host, so that its steps capture (a4/kernels/moe.py). `merge_projections`: the projections that read one input as
+    one GEMM (a4/layers/merged_linear.py); None: where the Triton kernels run. None of them changes what a layer
+    computes, only how."""
     if merge_projections is None:
         merge_projections = triton_kernels_run_on(device)
     if merge_projections:
