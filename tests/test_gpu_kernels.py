@@ -34,6 +34,7 @@ Triton's interpreter (Triton importable, e.g. PYTHONPATH=$PWD:/path/to/triton): 
 """
 
 import copy
+import math
 import os
 
 import pytest
@@ -88,6 +89,7 @@ from a4.kernels.gdn_decode import (  # noqa: E402
     gated_delta_rule_verify_by_slot_,
 )
 from a4.kernels.paged_attention import paged_decode_attention  # noqa: E402
+from a4.kernels.extend_attention import extend_attention  # noqa: E402
 from a4.kernels.activation import sigmoid_and_mul, silu_and_mul  # noqa: E402
 from a4.kernels import greedy  # noqa: E402
 from a4.kernels.gemv import MAX_ROWS, TILE, TILES, gemv, linear  # noqa: E402
@@ -492,6 +494,126 @@ def test_a_verify_steps_attention_rows_equal_the_decode_steps_of_their_tokens():
 # ------------------------------------------------------------------------------------------------ CUDA graph
 
 
+# ---------------------------------------------------------------------------------------- prefill (EXTEND) attention
+
+
+def naive_extend_attention(q, k, v, k_buf, v_buf, req_to_token, slots, prefix_lens, extend_lens, scale):
+    """Per request and query head: its prefix's keys from the pool, then its new ones, a causal float32 softmax."""
+    group = q.shape[1] // k.shape[1]
+    o = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    start = 0
+    for slot, prefix_len, extend_len in zip(slots.tolist(), prefix_lens, extend_lens):
+        rows = slice(start, start + extend_len)
+        start += extend_len
+        locations = req_to_token[slot, :prefix_len]
+        keys = torch.cat([k_buf[locations], k[rows]]).float()  # [seq_len, nKV, D]
+        values = torch.cat([v_buf[locations], v[rows]]).float()
+        hidden = torch.arange(prefix_len + extend_len)[None, :] > prefix_len + torch.arange(extend_len)[:, None]
+        for h in range(q.shape[1]):
+            scores = (q[rows, h].float() @ keys[:, h // group].T * scale).masked_fill(hidden.to(q.device), -math.inf)
+            o[rows, h] = torch.softmax(scores, dim=-1) @ values[:, h // group]
+    return o
+
+
+@pytest.mark.parametrize("tile", [None, (16, 32, 4, 1)], ids=["TILES", "16x32"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", list(ATTENTION_SHAPES))
+def test_extend_attention_matches_naive(shape, dtype, tile):
+    t = text_config(*ATTENTION_SHAPES[shape])
+    num_heads, num_kv_heads, head_dim = t["num_attention_heads"], t["num_key_value_heads"], t["head_dim"]
+    # Prompts of one token, exactly one block of queries and several; later chunks after prefixes, within a block and
+    # across blocks, one token after a prefix of whole key blocks.
+    prefix_lens = [0, 0, 0, 40, 7, 96, 64]
+    extend_lens = [1, 64, 150, 70, 3, 33, 1] if not INTERPRET else [1, 64, 80, 70, 3, 33, 1]
+    seq_lens = [p + n for p, n in zip(prefix_lens, extend_lens)]
+    table, num_locations = paged_table(seq_lens, page_size=16, num_rows=8, max_context=256, seed=64)
+    k_buf = randn(num_locations, num_kv_heads, head_dim, dtype=dtype, seed=65)
+    v_buf = randn(num_locations, num_kv_heads, head_dim, dtype=dtype, seed=66)
+    # The requests in another order than the table's rows.
+    order = [3, 0, 5, 1, 6, 4, 2]
+    slots = torch.tensor(order, device=DEVICE)
+    prefix_lens, extend_lens = [prefix_lens[i] for i in order], [extend_lens[i] for i in order]
+    num_tokens = sum(extend_lens)
+    q = randn(num_tokens, num_heads, head_dim, dtype=dtype, seed=67)
+    k = randn(num_tokens, num_kv_heads, head_dim, dtype=dtype, seed=68)
+    v = randn(num_tokens, num_kv_heads, head_dim, dtype=dtype, seed=69)
+    cu_seqlens = torch.tensor([0, *extend_lens], device=DEVICE).cumsum(0)
+    seq_lens_t = torch.tensor([p + n for p, n in zip(prefix_lens, extend_lens)], device=DEVICE)
+    scale = head_dim**-0.5 * 4  # sharper than uniform, as q/k-normed models are
+
+    # The grid's bound may exceed the longest request (a captured prefill's bucket).
+    o = extend_attention(q, k, v, k_buf, v_buf, table, slots, seq_lens_t, cu_seqlens, max(extend_lens) + 20, scale,
+                         tile)  # fmt: skip
+    expected = naive_extend_attention(q, k, v, k_buf, v_buf, table, slots, prefix_lens, extend_lens, scale)
+    assert o.dtype == dtype and o.shape == q.shape
+    tolerance = dict(atol=1e-5, rtol=1e-4) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(o.float(), expected, **tolerance)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_the_cuda_backend_attends_a_mixed_step_and_a_captured_prefill_as_torchs_does(dtype):
+    """TritonAttnBackend against TorchAttnBackend (torch's SDPA) through `paged_attention`, each over its own pool:
+    a MIXED step (a chunk after a prefix and a new prompt, then two decodes: the extend kernel on the prompts' part
+    with its sliced lengths, the paged decode kernel on the rest), and a captured prefill's static context (one
+    prompt padded to its bucket) against the prompt alone."""
+    from a4.core import ForwardMode
+    from a4.engine.forward_batch import build_forward_batch, static_extend_batch
+    from a4.kvcache.kv_pool import KVPool
+    from a4.layers.attention import TorchAttnBackend, TritonAttnBackend, paged_attention
+
+    num_heads, num_kv_heads, head_dim, scale = 8, 2, 64, 0.3
+    seq_lens = [9, 6, 12, 20]  # slot 0 and 2 decode, slot 1 takes a chunk after 5 cached tokens, slot 3 is new
+    table, num_locations = paged_table([32] * 4, page_size=4, num_rows=5, max_context=32, seed=70)
+    pools = [KVPool(1, 4, num_locations // 4, num_kv_heads, head_dim, dtype, DEVICE) for _ in range(2)]
+    for pool in pools:  # the prefixes' keys, the same in both
+        k_buf, v_buf = pool.get_kv(0)
+        k_buf.copy_(randn(*k_buf.shape, dtype=dtype, seed=71))
+        v_buf.copy_(randn(*v_buf.shape, dtype=dtype, seed=72))
+
+    def attend(backend, pool, slots, prefix_lens, extend_lens, num_decodes, seed):
+        mode = ForwardMode.MIXED if num_decodes else ForwardMode.EXTEND
+        fb = build_forward_batch(mode, input_ids=[0] * sum(extend_lens), slots=slots, prefix_lens=prefix_lens,
+                                 extend_lens=extend_lens, sample_indices=[], req_to_token=table, kv_pool=pool,
+                                 attn_backend=backend, num_decodes=num_decodes)  # fmt: skip
+        return paged_attention(*qkv(sum(extend_lens), seed), fb, 0, scale)
+
+    def qkv(num_tokens, seed):
+        return (randn(num_tokens, num_heads, head_dim, dtype=dtype, seed=seed),
+                randn(num_tokens, num_kv_heads, head_dim, dtype=dtype, seed=seed + 1),
+                randn(num_tokens, num_kv_heads, head_dim, dtype=dtype, seed=seed + 2))  # fmt: skip
+
+    tolerance = dict(atol=1e-5, rtol=1e-4) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
+    step = ([1, 3, 0, 2], [5, 0, 8, 11], [6, 20, 1, 1], 2)
+    expected = attend(TorchAttnBackend(), pools[0], *step, seed=73)
+    got = attend(TritonAttnBackend(), pools[1], *step, seed=73)
+    torch.testing.assert_close(got.float(), expected.float(), **tolerance)
+    torch.testing.assert_close(pools[1].get_kv(0)[0], pools[0].get_kv(0)[0])
+
+    # A captured prefill's context: slot 4's 13 tokens padded to 16, against the 13 alone.
+    q, k, v = qkv(16, seed=76)
+    bucket = torch.arange(16, device=DEVICE)
+    fb = static_extend_batch(input_ids=bucket, positions=bucket, slot=torch.tensor([4], device=DEVICE),
+                             num_tokens=torch.tensor([13], device=DEVICE), padding_slot=3, req_to_token=table,
+                             kv_pool=pools[1], state_pool=None, attn_backend=TritonAttnBackend())  # fmt: skip
+    got = paged_attention(q, k, v, fb, 0, scale)[:13]
+    fb = build_forward_batch(ForwardMode.EXTEND, input_ids=[0] * 13, slots=[4], prefix_lens=[0], extend_lens=[13],
+                             sample_indices=[], req_to_token=table, kv_pool=pools[0], attn_backend=TorchAttnBackend())  # fmt: skip
+    expected = paged_attention(q[:13], k[:13], v[:13], fb, 0, scale)
+    torch.testing.assert_close(got.float(), expected.float(), **tolerance)
+
+
+def test_extend_attention_rejects_shapes_that_do_not_fit():
+    q, k = torch.zeros(4, 8, 32, device=DEVICE), torch.zeros(4, 3, 32, device=DEVICE)  # 3 kv heads for 8 heads
+    buf, table = torch.zeros(16, 3, 32, device=DEVICE), torch.zeros(1, 16, dtype=torch.int64, device=DEVICE)
+    one = torch.zeros(1, dtype=torch.int64, device=DEVICE)
+    cu_seqlens = torch.tensor([0, 4], device=DEVICE)
+    with pytest.raises(ValueError, match="nKV dividing nH"):
+        extend_attention(q, k, k, buf, buf, table, one, one + 4, cu_seqlens, 4, 1.0)
+    q, k, buf = torch.zeros(4, 2, 512, device=DEVICE), torch.zeros(4, 1, 512, device=DEVICE), torch.zeros(16, 1, 512)
+    with pytest.raises(ValueError, match="head_dim 512"):
+        extend_attention(q, k, k, buf.to(DEVICE), buf.to(DEVICE), table, one, one + 4, cu_seqlens, 4, 1.0)
+
+
 @pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need CUDA")
 def test_decode_kernels_capture_in_a_cuda_graph_and_replay_with_new_slots_and_lengths():
     """Static buffers hold the inputs; the graph replays with other slots and lengths copied into them."""
@@ -734,10 +856,12 @@ def test_qk_norm_rope_is_the_students_norm_and_partial_rope_and_writes_the_pool(
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("merged", [False, True], ids=["separate", "merged"])
 def test_the_fused_attention_forward_is_the_students_forward(merged, dtype):
-    """A GatedAttention with `use_fused_attention`'s forward against the students' own, each over its own KV pool:
-    a prefill, a decode step, then a chunk after a prefix beside a new prompt; the layer's outputs and the pools'
-    keys and values, with q / k / v as separate projections and merged into one product (the GPU's default)."""
+    """A GatedAttention with `use_fused_attention`'s forward and the CUDA backend (a4's paged decode and extend
+    attention kernels) against the students' own forward and torch's SDPA, each over its own KV pool: a prefill, a
+    decode step, then a chunk after a prefix beside a new prompt; the layer's outputs and the pools' keys and values,
+    with q / k / v as separate projections and merged into one product (the GPU's default)."""
     import a4.layers.gated_attention as gated_attention
+    from a4.layers.attention import TorchAttnBackend, TritonAttnBackend
     from a4.course.checks._model_runner import SlotTable
     from a4.kvcache.kv_pool import KVPool
     from a4.layers.merged_linear import merge_projections
@@ -763,9 +887,11 @@ def test_the_fused_attention_forward_is_the_students_forward(merged, dtype):
         fb = table.step(new_tokens, pools[0])
         hidden = randn(fb.positions.shape[0], config.hidden_size, dtype=dtype, seed=30 + step)
         cos, sin = rope(fb.positions, dtype)
+        assert type(fb.attn_backend) is TorchAttnBackend
         with torch.no_grad():
             expected = students(hidden, cos, sin, fb)
-            fb.kv_pool = pools[1]
+            fb.kv_pool, fb.attn_backend = pools[1], TritonAttnBackend()
+            fb.attn_backend.prepare(fb)
             got = fused(hidden, cos, sin, fb)
         # bfloat16: a key or query one unit in the last place apart (the norm's sum of squares in another order; the
         # interpreter truncates besides) moves the attention weights, then o_proj sums the heads: units in the last

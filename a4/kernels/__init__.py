@@ -1,9 +1,11 @@
-"""a4's own GPU kernels (Triton) for the decode path, and the GPU prefill of the Gated DeltaNet layers.
+"""a4's own GPU kernels (Triton) for the decode path and prefill attention, and the GPU prefill of the Gated DeltaNet
+layers.
 
 - `gdn_decode`: the GDN decode step in place by state slot (`conv_update_by_slot_`,
   `gated_delta_rule_update_by_slot_`), one read and one write of each state row, capturable in a CUDA graph; the
   same kernels over a verify pass's L tokens, keeping the state after each (`..._verify_by_slot_`);
 - `paged_attention`: decode attention over the paged KV pool (`paged_decode_attention`), split over the context;
+- `extend_attention`: prefill attention, every request of the step in one launch, a cached prefix read in place;
 - `fla_prefill`: the varlen GDN prefill through flash-linear-attention, gathered from and written back to the pool;
 - `rmsnorm`: the zero-centred and gated RMSNorms in one kernel each, the residual add folded into the first;
 - `activation`: SwiGLU's SiLU-and-multiply, and gated attention's output gate, in one kernel each;

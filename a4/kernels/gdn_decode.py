@@ -185,7 +185,6 @@ def _gated_delta_rule_kernel(
     stride_out_slot, stride_out_pos, stride_out_head, stride_out_k, stride_out_v,
     GROUP: tl.constexpr, LENGTH: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, PDL: tl.constexpr,
 ):
-    wait_for_previous_kernel(PDL)
     request = tl.program_id(0)
     head = tl.program_id(1)
     key_head = head // GROUP  # value head h reads key head h // (Hv / Hk)
@@ -198,7 +197,12 @@ def _gated_delta_rule_kernel(
     tile = state_ptr + slot * stride_s_slot + head * stride_s_head + i[:, None] * stride_s_k + j[None, :] * stride_s_v
     out_tile = out_ptr + slot * stride_out_slot + head * stride_out_head + i[:, None] * stride_out_k
     out_tile += j[None, :] * stride_out_v
+    # The state tile, the program's largest read, comes before the wait for the kernel before (a4/kernels/pdl.py):
+    # whichever kernel that is (the conv, a projection's GEMV, a MIXED step's write-back of its prompts' states, which
+    # are other slots'), it writes none of these rows, and every kernel before it has completed. q, k, v, a and b,
+    # which the kernels before write, are read after the wait.
     s = tl.load(tile, mask=in_tile, other=0.0)
+    wait_for_previous_kernel(PDL)
     # The request's tokens, one after the other, the tile kept in registers between them.
     for t in tl.static_range(LENGTH):
         row = request * LENGTH + t

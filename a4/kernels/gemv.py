@@ -91,11 +91,18 @@ def _gemv_kernel(
     stride_x, stride_w, stride_y,
     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    wait_for_previous_kernel(PDL)
     # One program per block of output features, for every row: each tile of W is read once and used ROWS times.
     # A row has its own accumulator (MAX_ROWS = 4 of them, named, as Triton has no arrays of tensors).
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     in_n = n < out_features
+    # W's first tile is read before the wait for the kernel before: no kernel writes a weight, so under PDL the read
+    # overlaps that kernel's end (a4/kernels/pdl.py). For the narrow projections, whose programs are one or two tiles
+    # of W each and all resident at once, that is all or half of the weight read. x, which that kernel writes, is
+    # read after the wait.
+    k = tl.arange(0, BLOCK_K)
+    in_k = k < in_features
+    w = tl.load(w_ptr + n[:, None] * stride_w + k[None, :], mask=in_n[:, None] & in_k[None, :], other=0.0)
+    wait_for_previous_kernel(PDL)
     acc0 = tl.zeros((BLOCK_N,), dtype=tl.float32)
     acc1 = tl.zeros((BLOCK_N,), dtype=tl.float32)
     acc2 = tl.zeros((BLOCK_N,), dtype=tl.float32)
@@ -103,7 +110,6 @@ def _gemv_kernel(
     for start in range(0, in_features, BLOCK_K):
         k = start + tl.arange(0, BLOCK_K)
         in_k = k < in_features
-        w = tl.load(w_ptr + n[:, None] * stride_w + k[None, :], mask=in_n[:, None] & in_k[None, :], other=0.0)
         acc0 += _row_dot(x_ptr, 0, stride_x, k, in_k, w)
         if ROWS > 1:
             acc1 += _row_dot(x_ptr, 1, stride_x, k, in_k, w)
@@ -111,6 +117,10 @@ def _gemv_kernel(
             acc2 += _row_dot(x_ptr, 2, stride_x, k, in_k, w)
         if ROWS > 3:
             acc3 += _row_dot(x_ptr, 3, stride_x, k, in_k, w)
+        # The next tile (none past the last: its mask is all false, and nothing is read).
+        k += BLOCK_K
+        w = tl.load(w_ptr + n[:, None] * stride_w + k[None, :], mask=in_n[:, None] & (k < in_features)[None, :],
+                    other=0.0)  # fmt: skip
     tl.store(y_ptr + n, acc0.to(y_ptr.dtype.element_ty), mask=in_n)
     if ROWS > 1:
         tl.store(y_ptr + stride_y + n, acc1.to(y_ptr.dtype.element_ty), mask=in_n)

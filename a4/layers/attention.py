@@ -6,12 +6,13 @@ steps) are already in the pool. All its keys, old and new, are found at `req_to_
 
 Layers call `paged_attention`; the arithmetic is the step's attention backend's (`ForwardBatch.attn_backend`, chosen
 by a4.engine.factories; the protocol is a4.core's), whose `prepare` builds what every layer of the step shares
-(request tables, masks) once. An EXTEND step attends request by request; a DECODE or TARGET_VERIFY step treats every
-new token as a row of its own, which sees its request's keys up to its own position: one batched call, graph-safe.
-`TorchAttnBackend`, on CPU and GPU, is torch's `scaled_dot_product_attention` (SDPA): a fused kernel that never materialises the full
-score matrix and keeps the softmax in float32 even for bfloat16 inputs. It is also what transformers' default "sdpa"
-path calls, so the numerics match the reference (prefill in bfloat16 on CPU: bit for bit; decode, which folds
-GQA into the rows of queries, to rounding: one bfloat16 ulp in a few elements).
+(request tables, masks) once. torch's backend attends request by request in an EXTEND step; a DECODE or TARGET_VERIFY
+step treats every new token as a row of its own, which sees its request's keys up to its own position: one batched
+call, graph-safe. `TorchAttnBackend` (the CPU's) is torch's `scaled_dot_product_attention` (SDPA): a fused kernel
+that never materialises the full score matrix and keeps the softmax in float32 even for bfloat16 inputs. It is also
+what transformers' default "sdpa" path calls, so the numerics match the reference (prefill in bfloat16 on CPU: bit for
+bit; decode, which folds GQA into the rows of queries, to rounding: one bfloat16 ulp in a few elements). On CUDA,
+`TritonAttnBackend` runs a4's kernels instead.
 """
 
 from __future__ import annotations
@@ -115,26 +116,29 @@ class TorchAttnBackend:
 
 
 class TritonAttnBackend(TorchAttnBackend):
-    """On CUDA: decode through a4's Triton paged kernel (a4/kernels/paged_attention.py), which reads each request's
-    keys in place through its row of req_to_token and its length on the device: no [B, max_seq_len] gather per layer,
-    and the work follows the real lengths, not the graph's bound. A verify step's tokens are rows of that kernel too
-    (`token_rows`). Prefill stays torch's SDPA per request, whose flash kernel is already fused."""
+    """On CUDA, a4's Triton kernels, which read each request's keys in place through its row of req_to_token and its
+    lengths on the device: no gather of keys per layer, nothing prepared per request.
+    - Decode through the paged kernel (a4/kernels/paged_attention.py), whose work follows the real lengths, not the
+      graph's bound. A verify step's tokens are rows of that kernel too (`token_rows`).
+    - Prefill (EXTEND) through the extend kernel (a4/kernels/extend_attention.py): every request of the step in one
+      launch, a cached prefix read from the pool, where SDPA took a call per request and, after a prefix, a mask and
+      the request's keys gathered and repeated per query head."""
 
     def prepare(self, fb: ForwardBatch) -> None:
-        if fb.mode is ForwardMode.EXTEND:
-            super().prepare(fb)
-        else:
-            fb.attn_metadata = token_rows(fb)
+        # EXTEND: the grid's bound, the most new tokens of a request (a host list, the bucket's in a captured prefill).
+        fb.attn_metadata = max(fb.extend_lens) if fb.mode is ForwardMode.EXTEND else token_rows(fb)
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fb: ForwardBatch, pool_layer: int, scale: float
     ) -> torch.Tensor:
-        if fb.mode is ForwardMode.EXTEND:
-            return super().forward(q, k, v, fb, pool_layer, scale)
         # Imported here: Triton exists only where CUDA does.
+        from a4.kernels.extend_attention import extend_attention
         from a4.kernels.paged_attention import default_num_splits, paged_decode_attention
 
         k_buf, v_buf = fb.kv_pool.get_kv(pool_layer)
+        if fb.mode is ForwardMode.EXTEND:
+            return extend_attention(q, k, v, k_buf, v_buf, fb.req_to_token, fb.slots, fb.seq_lens, fb.cu_seqlens,
+                                    fb.attn_metadata, scale)  # fmt: skip
         row_slots, row_lens = fb.attn_metadata
         # The context's splits from the number of requests, not of rows: a verify step's L rows per request are then
         # split as the decode steps of those tokens split them, and compute what those steps compute.
