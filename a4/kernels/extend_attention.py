@@ -138,11 +138,11 @@ def extend_attention(
     if k_buf.stride(-1) != 1 or v_buf.stride(-1) != 1 or req_to_token.stride(-1) != 1:
         raise ValueError("extend_attention: the pool buffers and req_to_token must have unit stride along their last "
                          "dimension")  # fmt: skip
-    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-    o = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype, device=q.device)
     if head_dim > max(TILES):
         raise ValueError(f"extend_attention: head_dim {head_dim} is past the largest tiled, {max(TILES)}")
     block_m, block_n, num_warps, num_stages = tile or TILES[min(d for d in TILES if d >= head_dim)]
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    o = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype, device=q.device)
     if num_tokens == 0:
         return o
     _extend_attention_kernel[(slots.shape[0], num_heads, triton.cdiv(max_extend_len, block_m))](
