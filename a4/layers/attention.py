@@ -115,7 +115,7 @@ class TorchAttnBackend:
         return _decode_attention(q, k_buf, v_buf, fb.attn_metadata, scale)
 
 
-class TritonAttnBackend(TorchAttnBackend):
+class TritonAttnBackend:
     """On CUDA, a4's Triton kernels, which read each request's keys in place through its row of req_to_token and its
     lengths on the device: no gather of keys per layer, nothing prepared per request.
     - Decode through the paged kernel (a4/kernels/paged_attention.py), whose work follows the real lengths, not the
